@@ -1,0 +1,162 @@
+"""Reference attention backend in plain torch (CPU and CUDA).
+
+Decodes are batched: each decode's context is gathered from the paged cache into a padded
+``[num_decodes, max_seq_len]`` layout and attended with one SDPA call, grouping the query
+heads that share a KV head so K/V are never repeated. Prefills run one SDPA call per
+request, over the request's own fresh K/V when it has no earlier context, else over its
+context gathered from the cache with a causal mask offset by the context length.
+
+Paged cache layout (per layer, K and V alike)::
+
+    k_cache[num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_table[pos // block_size] * block_size + pos % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.attention.base import AttentionInputs, register_backend
+
+
+@dataclass
+class PrefillSeq:
+    """One prefilling request inside the flattened batch.
+
+    Attributes:
+        query_start: index of its first query token in the batch.
+        query_len: its new tokens this step.
+        context_slots: ``[seq_len]`` int64 cache slots of its whole context, or None when
+            the context is exactly the new tokens (attend to the fresh K/V, plain causal).
+        mask: ``[query_len, seq_len]`` bool (True = attend), or None with ``context_slots``.
+    """
+
+    query_start: int
+    query_len: int
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """Per-step metadata, shared by every layer.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 write slots.
+        num_decodes: leading decode requests (one token each).
+        decode_slots: ``[num_decodes, max_seq_len]`` int64 gather slots (padding gathers
+            slot 0 and is masked out), or None without decodes.
+        decode_mask: ``[num_decodes, 1, 1, max_seq_len]`` bool, True = attend.
+        prefills: the prefilling requests, in batch order.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillSeq]
+
+
+def _context_slots(block_table: list[int], seq_len: int, block_size: int,
+                   device: torch.device) -> torch.Tensor:
+    """``[seq_len]`` int64 cache slots of positions ``0 .. seq_len-1``."""
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = torch.tensor(block_table[:num_blocks], dtype=torch.int64)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]
+    return slots.to(device)
+
+
+class TorchAttentionBackend:
+    """Torch reference backend; see the module docstring."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
+        bs = inputs.block_size
+        nd = inputs.num_decodes
+        decode_slots = decode_mask = None
+        if nd:
+            seq_lens = inputs.seq_lens[:nd]
+            max_len = max(seq_lens)
+            max_blocks = (max_len + bs - 1) // bs
+            table = torch.zeros((nd, max_blocks), dtype=torch.int64)
+            for i, bt in enumerate(inputs.block_tables[:nd]):
+                n = min(len(bt), max_blocks)
+                table[i, :n] = torch.tensor(bt[:n], dtype=torch.int64)
+            pos = torch.arange(max_len, dtype=torch.int64)
+            slots = table[:, pos // bs] * bs + pos % bs  # [nd, max_len]
+            lens = torch.tensor(seq_lens, dtype=torch.int64)
+            valid = pos[None, :] < lens[:, None]
+            decode_slots = torch.where(valid, slots, 0).to(self.device)
+            decode_mask = valid[:, None, None, :].to(self.device)
+        prefills: list[PrefillSeq] = []
+        start = nd
+        for i in range(nd, len(inputs.query_lens)):
+            q_len, seq_len = inputs.query_lens[i], inputs.seq_lens[i]
+            if seq_len == q_len:
+                prefills.append(PrefillSeq(start, q_len, None, None))
+            else:
+                ctx = _context_slots(inputs.block_tables[i], seq_len, bs, self.device)
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=self.device)
+                k_pos = torch.arange(seq_len, device=self.device)
+                mask = k_pos[None, :] <= q_pos[:, None]
+                prefills.append(PrefillSeq(start, q_len, ctx, mask))
+            start += q_len
+        return TorchAttentionMetadata(
+            inputs.slot_mapping, nd, decode_slots, decode_mask, prefills
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, metadata.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, metadata.slot_mapping, v.to(v_flat.dtype))
+
+        out = torch.empty_like(q)
+        nd = metadata.num_decodes
+        if nd:
+            group = q.shape[1] // num_kv_heads
+            # Query heads sharing a KV head become rows of one attention: no K/V repeat.
+            qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+            kd = k_flat[metadata.decode_slots].transpose(1, 2)  # [nd, Hkv, L, D]
+            vd = v_flat[metadata.decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=metadata.decode_mask, scale=scale
+            )
+            out[:nd] = od.reshape(nd, -1, head_dim)
+        for p in metadata.prefills:
+            sl = slice(p.query_start, p.query_start + p.query_len)
+            qp = q[sl].transpose(0, 1)  # [H, n, D]
+            if p.context_slots is None:
+                kp, vp = k[sl].transpose(0, 1), v[sl].transpose(0, 1)
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                kp = k_flat[p.context_slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+                vp = v_flat[p.context_slots].transpose(0, 1).to(q.dtype)
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True
+                )
+            out[sl] = op.transpose(0, 1)
+        return out
+
+
+register_backend("torch", TorchAttentionBackend)

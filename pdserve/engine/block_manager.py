@@ -1,0 +1,171 @@
+"""Paged KV block allocation with reference counts and prefix caching.
+
+NOTE: the invariant: a block is in ``cached_block_ids`` only once its K/V has been
+computed (see :meth:`BlockManager.cache_computed_blocks`), so a prefix-cache hit never
+reads uncomputed slots. Free blocks keep their hash and content until they are reused,
+so a later request can still hit them; reuse takes the least recently freed block first.
+
+Block hashes chain: ``hash_i = hash((hash_{i-1}, tokens of block i))``, so equal hashes
+mean equal whole prefixes, not just equal blocks::
+
+    request A: [ b0 | b1 | b2 | b3 (partial) ]
+    request B: [ b0 | b1 | b5 | ... ]          shares b0, b1 (ref_count 2)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from pdserve.engine.request import Request
+
+#: Parent hash of a request's first block.
+ROOT_HASH = 0
+
+
+class Block:
+    """One KV block's bookkeeping (the data lives in the KV cache tensors)."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+
+
+class BlockManager:
+    """Allocates, shares and frees KV blocks.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_prefix_caching: share full blocks between requests with equal prefixes.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first (the first to be reused/evicted).
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_block_ids: dict[int, int] = {}
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by live requests, 0.0 - 1.0."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _update_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` over every full block of its tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
+
+    def _find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached prefix usable by ``request`` (no side effects).
+
+        At least one token is always left to compute (its logits are needed), so a fully
+        cached request recomputes its last block rather than writing into a shared one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.cached_block_ids.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, request: Request) -> bool:
+        """Whether blocks for all of ``request.token_ids`` can be allocated now."""
+        hits = self._find_cached_prefix(request)
+        num_new = self.num_blocks_for(request.num_tokens) - len(hits)
+        num_hits_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return num_new + num_hits_free <= self.num_free_blocks
+
+    def can_append(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether ``num_new_tokens`` more slots (past the computed ones) fit now."""
+        return self._num_missing_blocks(request, num_new_tokens) <= self.num_free_blocks
+
+    def _num_missing_blocks(self, request: Request, num_new_tokens: int) -> int:
+        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(request.block_table))
+
+    # -- actions -------------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached_block_ids.get(block.block_hash) == block_id:
+                del self.cached_block_ids[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def allocate(self, request: Request) -> None:
+        """Give ``request`` blocks for all its tokens, reusing cached prefix blocks.
+
+        Sets ``request.block_table`` and ``request.num_computed_tokens`` (= cached tokens).
+        The caller checks :meth:`can_allocate` first.
+        """
+        assert not request.block_table, "request already holds blocks"
+        hits = self._find_cached_prefix(request)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        num_new = self.num_blocks_for(request.num_tokens) - len(hits)
+        assert num_new <= self.num_free_blocks, "allocate() without can_allocate()"
+        request.block_table = hits + [self._take_free_block() for _ in range(num_new)]
+        num_cached = len(hits) * self.block_size
+        request.num_computed_tokens = num_cached
+        if self.enable_prefix_caching:
+            self.num_prefix_queried_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += num_cached
+
+    def append_slots(self, request: Request, num_new_tokens: int) -> None:
+        """Add blocks so ``num_new_tokens`` more tokens fit; caller checks can_append."""
+        for _ in range(self._num_missing_blocks(request, num_new_tokens)):
+            request.block_table.append(self._take_free_block())
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_hashes(request)
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for i in range(num_full):
+            block = self.blocks[request.block_table[i]]
+            if block.block_hash is not None:
+                continue
+            block_hash = request.block_hashes[i]
+            block.block_hash = block_hash
+            self.cached_block_ids.setdefault(block_hash, block.block_id)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (tail first, so the tail is reused first)."""
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, "block freed twice"
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        request.block_table = []

@@ -1,0 +1,164 @@
+"""Engine configuration: one frozen, validated dataclass, plus the model's architecture facts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+#: dtype names accepted by ``EngineConfig.dtype``; "auto" picks bf16 on CUDA, bf16 on CPU.
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+#: KV cache budget used on CPU when none is given.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+#: Fraction of free accelerator memory given to the KV cache when none is given.
+DEFAULT_GPU_KV_CACHE_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start; validated on construction.
+
+    KV cache size is given by at most one of ``num_kv_blocks`` (blocks),
+    ``kv_cache_memory_bytes`` (bytes for all layers' K and V) or
+    ``kv_cache_memory_fraction`` (of the device's free memory after the weights). None of
+    them: 2 GiB on CPU, 85 % of free memory on CUDA.
+
+    Raises:
+        ValueError: naming the field, for any invalid value.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    attention_backend: str = "auto"
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        budgets = [self.num_kv_blocks, self.kv_cache_memory_bytes, self.kv_cache_memory_fraction]
+        if sum(b is not None for b in budgets) > 1:
+            raise ValueError(
+                "give at most one of num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """The compute dtype: the configured one, or bf16 for "auto"."""
+        chosen = DTYPES[self.dtype]
+        if chosen is not None:
+            return chosen
+        return torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Architecture facts read from a Hugging Face ``config.json`` dict.
+
+    Raises:
+        ValueError: when a required field is missing or inconsistent.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    hf_config: dict = field(compare=False, repr=False)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "ModelArchConfig":
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' field")
+        try:
+            num_heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+            cfg = cls(
+                architecture=archs[0],
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                attention_bias=bool(hf.get("attention_bias", False)),
+                eos_token_ids=tuple(int(e) for e in eos_ids),
+                bos_token_id=hf.get("bos_token_id"),
+                hf_config=hf,
+            )
+        except KeyError as exc:
+            raise ValueError(f"config.json is missing required field {exc.args[0]!r}") from None
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({cfg.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({cfg.num_kv_heads})"
+            )
+        return cfg
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V, all layers, for one token."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem

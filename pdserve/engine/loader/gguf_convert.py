@@ -1,0 +1,116 @@
+"""Convert a GGUF file into a float32 Hugging Face checkpoint folder.
+
+Reading a quantized GGUF costs seconds of metadata parsing and dequantization on
+every start; the converted folder loads by memory-mapping one safetensors file.
+The folder layout::
+
+    out_dir/config.json              hf_config of the GGUF (same dict load_checkpoint returns)
+    out_dir/generation_config.json   bos/eos/pad token ids
+    out_dir/model.safetensors        every tensor, dequantized, float32, Hugging Face layout
+    out_dir/tokenizer.json, ...      tokenizer.save_pretrained (chat template included)
+    out_dir/pdserve_source.json      marker: source GGUF path, size and mtime
+
+The marker is written last and the folder is moved into place in one rename,
+so a folder with a marker is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from pdserve.engine.loader.checkpoint import load_checkpoint, load_tokenizer
+
+SOURCE_MARKER_NAME = "pdserve_source.json"
+MARKER_VERSION = 1
+# Files a converted folder must contain besides the marker.
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def _source_fingerprint(gguf_path: Path) -> dict[str, Any]:
+    """Identity of a source file: resolved path, size and modification time."""
+    stat = gguf_path.stat()
+    return {
+        "marker_version": MARKER_VERSION,
+        "source_path": str(gguf_path.resolve()),
+        "source_size_bytes": stat.st_size,
+        "source_mtime_ns": stat.st_mtime_ns,
+    }
+
+
+def read_source_marker(folder: Path) -> dict[str, Any] | None:
+    """Return the folder's source marker, or None if it is absent or unreadable."""
+    try:
+        with (folder / SOURCE_MARKER_NAME).open(encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def is_converted_folder_fresh(folder: Path, gguf_path: Path | None) -> bool:
+    """True if ``folder`` is a complete conversion of ``gguf_path`` as it is now.
+
+    With ``gguf_path=None`` (the source is no longer installed) any complete
+    conversion counts as fresh: it is self-contained and nothing newer exists.
+    """
+    marker = read_source_marker(folder)
+    if marker is None or marker.get("marker_version") != MARKER_VERSION:
+        return False
+    if not all((folder / name).is_file() for name in CONVERTED_FILES):
+        return False
+    if gguf_path is None:
+        return True
+    return marker == _source_fingerprint(gguf_path)
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def convert_gguf_to_hf_folder(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
+    """Dequantize ``gguf_path`` into a Hugging Face folder at ``out_dir``; return ``out_dir``.
+
+    Any existing ``out_dir`` is replaced. Weights are stored as float32, which
+    holds every dequantized GGUF value exactly. Peak memory is about the float32
+    model size (540 MB for SmolLM2-135M).
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` does not exist.
+        ValueError: the GGUF cannot be loaded (see ``load_checkpoint``).
+    """
+    # Taken before reading, so a source that changes during conversion reads as stale later.
+    fingerprint = _source_fingerprint(gguf_path)
+    checkpoint = load_checkpoint(gguf_path)
+    tokenizer = load_tokenizer(gguf_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tensors = dict(checkpoint.iter_weights(torch.float32, progress=progress))
+        save_file(tensors, tmp_dir / "model.safetensors", metadata={"format": "pt"})
+        del tensors
+        _write_json(tmp_dir / "config.json", checkpoint.hf_config)
+        token_ids = {
+            key: checkpoint.hf_config[key]
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if key in checkpoint.hf_config
+        }
+        _write_json(tmp_dir / "generation_config.json", token_ids)
+        tokenizer.save_pretrained(str(tmp_dir))
+        _write_json(tmp_dir / SOURCE_MARKER_NAME, fingerprint)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir

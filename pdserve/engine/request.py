@@ -1,0 +1,103 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason (``stop``, ``length``, ``abort``), None while live."""
+        return self.value if self.is_finished else None
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED}
+
+
+class Request:
+    """One sequence being generated.
+
+    ``token_ids`` is prompt + output so far; ``num_computed_tokens`` of them have K/V in the
+    cache. After preemption (by recompute) ``num_computed_tokens`` drops to 0 and the whole
+    of ``token_ids`` is prefilled again; the output so far is kept.
+
+    Attributes:
+        block_table: block ids holding this request's K/V, in position order.
+        block_hashes: chained hashes of its full blocks (prefix caching), computed lazily.
+        num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        max_tokens: output limit resolved against the model length.
+        generator: per-request RNG when ``sampling_params.seed`` is set.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, max_tokens: int,
+                 eos_token_ids: tuple[int, ...], device: torch.device,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Finished status after the last appended token, or None to keep going."""
+        params = self.sampling_params
+        last = self.token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,153 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Each step has a token budget (``max_num_batched_tokens``). Running decodes are scheduled
+first (one token each), then running requests still prefilling (chunked), then waiting
+requests in arrival order while the budget, ``max_num_seqs`` and free blocks allow. A
+request gets blocks for all of its current tokens when admitted; decodes then grow one
+slot at a time. When a decode cannot get a block, the newest running request is preempted:
+its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens ``[num_computed, num_computed + num_new)``."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """True when this chunk reaches the request's last token, so a token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes; decodes (one new token) come first."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides each step's batch. See the module docstring for the policy.
+
+    Args:
+        block_manager: the KV block pool.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+
+        for req in decoding:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not bm.can_append(req, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            bm.append_slots(req, 1)
+            out.scheduled.append(ScheduledRequest(req, 1))
+            budget -= 1
+        out.num_decodes = len(out.scheduled)
+
+        for req in prefilling:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            if not bm.can_allocate(req):
+                break
+            self.waiting.popleft()
+            bm.allocate(req)
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens == 0 and req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.running.append(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            scheduled = ScheduledRequest(req, num_new)
+            if num_new == 1 and out.num_decodes == len(out.scheduled):
+                out.num_decodes += 1  # a one-token prefill can ride the decode path
+            out.scheduled.append(scheduled)
+            budget -= num_new
+        return out
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished, drop from the queues and free its blocks at once."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)

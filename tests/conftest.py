@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random-weight checkpoints built from transformers configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+#: Small architectures under test, each exercising a different feature.
+TINY_CONFIGS = {
+    # Llama with llama3 RoPE scaling, untied LM head, GQA 4:2.
+    "llama": dict(
+        cls="LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 128},
+    ),
+    # Qwen2 with q/k/v bias, linear RoPE scaling, tied embeddings, GQA 4:1.
+    "qwen2": dict(
+        cls="Qwen2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ),
+    # Qwen3 with q/k RMSNorm and head_dim not equal to hidden/heads.
+    "qwen3": dict(
+        cls="Qwen3Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=1024, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+}
+
+
+def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0):
+    """Save a random-weight fp32 model of family ``arch``; returns the transformers model."""
+    import transformers
+
+    spec = dict(TINY_CONFIGS[arch])
+    cfg_cls = getattr(transformers, spec.pop("cls"))
+    cfg = cfg_cls(vocab_size=512, initializer_range=0.08, rms_norm_eps=1e-6,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None, **spec)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def tiny_model(request, tmp_path_factory):
+    """``(arch, checkpoint_dir, transformers_model)`` for each tiny architecture."""
+    out = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model = build_tiny_checkpoint(request.param, out)
+    return request.param, out, model

@@ -1,0 +1,45 @@
+"""Bad configuration fails early with an error naming the field or path."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine import LLM, EngineConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": -16}, "block_size"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction"),
+        ({"num_kv_blocks": 4, "kv_cache_memory_bytes": 1 << 20}, "num_kv_blocks"),
+        ({"device": "tpu"}, "device"),
+        ({"max_model_len": 0}, "max_model_len"),
+    ],
+)
+def test_invalid_field_raises_value_error_naming_it(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_max_model_len_above_model_limit_is_rejected(tiny_model):
+    _, path, model = tiny_model
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(str(path), max_model_len=limit + 1, load_progress=False)
+
+
+def test_missing_model_path_names_the_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM(str(missing), load_progress=False)
+
+
+def test_kv_budget_too_small_for_one_sequence_is_rejected(tiny_model):
+    _, path, _ = tiny_model
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM(str(path), num_kv_blocks=2, block_size=16, max_model_len=512, load_progress=False)
