@@ -59,12 +59,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     path = llm.engine.model_path
-    dtype = getattr(torch, args.dtype)
     if path.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=dtype)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        raise SystemExit("run `pdserve pull` first: transformers loads GGUF weights packed")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype))
     hf.eval()
     ids = torch.tensor(prompts)
     with torch.no_grad():

@@ -29,7 +29,17 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **config: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self._init(EngineConfig(model=model, **config))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """Build from an already validated :class:`EngineConfig`."""
+        llm = cls.__new__(cls)
+        llm._init(config)
+        return llm
+
+    def _init(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
         self._tokenizer = None
         self._ids = itertools.count()
 

