@@ -1,4 +1,4 @@
-"""``pdserve`` command line: ``pull``, ``generate`` (more subcommands join as they land)."""
+"""``pdserve`` command line: ``serve``, ``server``, ``decode-worker``, ``pull``, ``generate``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,48 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.engine.arg_utils import engine_args_to_argv, engine_config_from_args
+    from pdserve.launcher import run_serve
+
+    engine_config_from_args(args, args.model)  # validate here, before any process starts
+    argv = engine_args_to_argv(args)
+    if args.served_model_name:
+        argv += ["--served-model-name", args.served_model_name]
+    return run_serve(args, argv)
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from pdserve.launcher import run_server
+
+    return run_server(args)
+
+
+def _cmd_decode_worker(args: argparse.Namespace) -> int:
+    from pdserve.launcher import run_decode_worker
+
+    return run_decode_worker(args)
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients send as `model` (default: derived from the model)")
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require this bearer token on /v1 (or set PDSERVE_API_KEY)")
+    p.add_argument("--router-address", default=None,
+                   help="zmq address the router binds (serve: a free loopback port; "
+                        "server: tcp://0.0.0.0:5557)")
+    p.add_argument("--max-num-inflight", type=int, default=1024,
+                   help="requests in flight above which new ones get 503")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.engine.arg_utils import add_engine_args
 
@@ -53,6 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-install", action="store_true",
                    help="do not pip-install the model package when it is missing")
     p.set_defaults(func=_cmd_pull)
+
+    p = sub.add_parser("serve", help="serve the OpenAI API: API server + a decode worker")
+    _add_model_arg(p)
+    _add_http_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("server", help="API server + router only; workers connect to it")
+    _add_model_arg(p)
+    _add_http_args(p)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.set_defaults(func=_cmd_server)
+
+    p = sub.add_parser("decode-worker", help="a decode worker that registers with a router")
+    _add_model_arg(p)
+    p.add_argument("--router", required=True, help="router address, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--worker-id", default=None)
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_decode_worker)
 
     p = sub.add_parser("generate", help="generate offline for a few prompts")
     p.add_argument("model", nargs="?", default=None,

@@ -41,3 +41,20 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None) -> Engi
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         attention_backend=args.attention_backend,
     )
+
+
+def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` as an argv list, to hand to a worker process."""
+    argv = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--seed", str(args.seed), "--attention-backend", args.attention_backend]
+    for flag, value in (("--num-kv-blocks", args.num_kv_blocks),
+                        ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
+                        ("--kv-cache-memory-fraction", args.kv_cache_memory_fraction),
+                        ("--max-model-len", args.max_model_len)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if not args.enable_prefix_caching:
+        argv.append("--no-enable-prefix-caching")
+    return argv

@@ -145,11 +145,14 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(req, status)
                 del self.requests[request_id]
+            queue_time_s = None
+            if req.num_output_tokens == 1 and req.first_scheduled_s is not None:
+                queue_time_s = req.first_scheduled_s - req.added_s
             deltas.append(RequestDelta(
                 request_id=request_id, new_token_ids=[token_id], new_logprobs=new_logprobs,
                 finish_reason=status.finish_reason if status else None,
                 num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=req.num_cached_tokens,
+                num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time_s,
             ))
         return deltas
 

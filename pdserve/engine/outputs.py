@@ -38,6 +38,7 @@ class RequestDelta(msgspec.Struct, frozen=True):
         finish_reason: ``stop``, ``length`` or ``abort`` when the request ended this step.
         num_prompt_tokens: prompt length.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        queue_time_s: on a request's first delta, seconds it waited before being scheduled.
     """
 
     request_id: str
@@ -46,6 +47,7 @@ class RequestDelta(msgspec.Struct, frozen=True):
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_time_s: float | None = None
 
     @property
     def finished(self) -> bool:

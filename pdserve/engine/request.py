@@ -65,6 +65,8 @@ class Request:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.added_s = time.monotonic()
+        self.first_scheduled_s: float | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=device)

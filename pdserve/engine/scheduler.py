@@ -10,6 +10,7 @@ its blocks are freed and it goes back to the front of the waiting queue to be re
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -132,6 +133,8 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(req)
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_s is None:
+                req.first_scheduled_s = time.monotonic()
             if req.num_cached_tokens == 0 and req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
             self.running.append(req)

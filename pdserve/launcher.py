@@ -1,0 +1,149 @@
+"""Process entry points behind ``pdserve serve | server | decode-worker``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a child worker gets to exit after SIGTERM before SIGKILL.
+WORKER_STOP_GRACE_S = 10.0
+#: Seconds ``serve`` waits for its worker to load the model and register.
+WORKER_READY_TIMEOUT_S = 600.0
+_PR_SET_PDEATHSIG = 1
+
+
+def served_model_name(model: str | None, path: Path) -> str:
+    from pdserve.engine.loader import DEFAULT_MODEL
+
+    if model in (None, "default", DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to SIGTERM this child when its parent dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def spawn_worker(kind: str, model: str | None, router_address: str,
+                 engine_argv: list[str], worker_id: str) -> subprocess.Popen:
+    """Start ``pdserve <kind>`` as a child process that dies with us."""
+    cmd = [sys.executable, "-m", "pdserve.cli", kind, *( [model] if model else []),
+           "--router", router_address, "--worker-id", worker_id, *engine_argv]
+    return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM, wait up to the grace period, then SIGKILL what is left."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=WORKER_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def build_server_state(args: argparse.Namespace, router_address: str):
+    """Resolve the model, load its tokenizer, create router + metrics."""
+    from pdserve.engine.config import ModelArchConfig
+    from pdserve.engine.loader import load_checkpoint, load_tokenizer, resolve_model
+    from pdserve.router.router import Router
+    from pdserve.server.metrics import ServerMetrics
+    from pdserve.server.state import ServerState
+
+    path = resolve_model(args.model)
+    arch = ModelArchConfig.from_hf_config(load_checkpoint(path).hf_config)
+    name = args.served_model_name or served_model_name(args.model, path)
+    tokenizer = load_tokenizer(path)
+    router = Router(router_address, max_num_inflight=args.max_num_inflight)
+    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
+    return ServerState(
+        router=router, tokenizer=tokenizer, model_name=name,
+        default_max_model_len=args.max_model_len or arch.max_position_embeddings,
+        metrics=ServerMetrics(name), api_key=api_key,
+    )
+
+
+async def _serve_http(state, host: str, port: int, workers: list[subprocess.Popen],
+                      wait_for_worker: bool) -> int:
+    import uvicorn
+
+    from pdserve.server.app import build_app
+
+    app = build_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    task = asyncio.create_task(server.serve())
+    if wait_for_worker:
+        ready = asyncio.create_task(state.router.worker_registered.wait())
+        deadline = asyncio.get_running_loop().time() + WORKER_READY_TIMEOUT_S
+        while not ready.done():
+            await asyncio.sleep(0.2)
+            if any(w.poll() is not None for w in workers):
+                print("pdserve: a worker exited during start-up; see its log above",
+                      file=sys.stderr)
+                server.should_exit = True
+                await task
+                return 1
+            if task.done() or asyncio.get_running_loop().time() > deadline:
+                server.should_exit = True
+                await task
+                return 1
+    print(f"pdserve: serving {state.model_name} at http://{host}:{port}/v1", flush=True)
+    await task
+    return 0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
+    """``pdserve serve``: API server + router here, one decode worker as a child process."""
+    router_address = args.router_address or f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    state = build_server_state(args, router_address)
+    workers = [spawn_worker("decode-worker", args.model, state.router.address, engine_argv,
+                            f"decode-{os.getpid()}-0")]
+    try:
+        return asyncio.run(_serve_http(state, args.host, args.port, workers, True))
+    finally:
+        stop_processes(workers)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``pdserve server``: API server + router only; workers connect to ``--router-address``."""
+    state = build_server_state(args, args.router_address or "tcp://0.0.0.0:5557")
+    print(f"pdserve: router listening at {state.router.address}", flush=True)
+    return asyncio.run(_serve_http(state, args.host, args.port, [], False))
+
+
+def run_decode_worker(args: argparse.Namespace) -> int:
+    """``pdserve decode-worker``: load the engine, register with the router, serve."""
+    from pdserve.decode_worker.worker import DecodeWorker
+    from pdserve.engine.arg_utils import engine_config_from_args
+    from pdserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args, args.model))
+    name = args.served_model_name or served_model_name(args.model, engine.model_path)
+    worker_id = args.worker_id or f"decode-{socket.gethostname()}-{os.getpid()}"
+    DecodeWorker(engine, args.router, worker_id, name).run()
+    return 0

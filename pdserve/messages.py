@@ -1,0 +1,107 @@
+"""Typed control and token-stream messages between the router and the workers.
+
+msgspec structs, msgpack on the wire, one tagged union per direction; never pickle. The
+router binds one zmq ROUTER socket; each worker connects a DEALER socket whose identity is
+its ``worker_id``, so one connection carries both directions.
+
+Worker -> router: :class:`RegisterWorker`, :class:`Heartbeat`, :class:`StepOutputs`,
+:class:`RequestFailed`. Router -> worker: :class:`RegisterAck`, :class:`GenerateRequest`,
+:class:`AbortRequests`, :class:`ShutdownWorker`. The disaggregation work adds its
+messages to the same unions.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.engine.outputs import RequestDelta
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RegisterWorker(msgspec.Struct, tag="register"):
+    """A worker announces itself (sent at start, and again if the router forgets it)."""
+
+    worker_id: str
+    role: str  # "decode" or "prefill"
+    model_name: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    pid: int
+
+
+class RegisterAck(msgspec.Struct, tag="register_ack"):
+    """The router accepted a registration; ``heartbeat_interval_s`` is the expected period."""
+
+    heartbeat_interval_s: float
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Periodic load report of one worker."""
+
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_prefix_queried_tokens: int = 0
+
+
+class GenerateRequest(msgspec.Struct, tag="generate"):
+    """Router -> worker: prefill (if needed) and decode this request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    """Router -> worker: stop these requests and free their blocks now."""
+
+    request_ids: list[str]
+
+
+class ShutdownWorker(msgspec.Struct, tag="shutdown"):
+    """Router -> worker: exit cleanly."""
+
+
+class StepOutputs(msgspec.Struct, tag="step_outputs"):
+    """Worker -> router: every request's new tokens from one engine step."""
+
+    worker_id: str
+    deltas: list[RequestDelta]
+
+
+class RequestFailed(msgspec.Struct, tag="request_failed"):
+    """Worker -> router: a request was refused or failed; ``message`` is user-facing."""
+
+    request_id: str
+    message: str
+    is_client_error: bool = True
+
+
+ToRouter = RegisterWorker | Heartbeat | StepOutputs | RequestFailed
+ToWorker = RegisterAck | GenerateRequest | AbortRequests | ShutdownWorker
+
+
+class MessageCodec:
+    """Encoder/decoders for both directions (one instance per socket owner)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._to_router = msgspec.msgpack.Decoder(ToRouter)
+        self._to_worker = msgspec.msgpack.Decoder(ToWorker)
+
+    def encode(self, msg: ToRouter | ToWorker) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode_to_router(self, data: bytes) -> ToRouter:
+        """Raises ``msgspec.DecodeError``/``ValidationError`` for malformed bytes."""
+        return self._to_router.decode(data)
+
+    def decode_to_worker(self, data: bytes) -> ToWorker:
+        """Raises ``msgspec.DecodeError``/``ValidationError`` for malformed bytes."""
+        return self._to_worker.decode(data)

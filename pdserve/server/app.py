@@ -1,0 +1,99 @@
+"""The FastAPI app: thin route handlers over :mod:`serving_chat` / :mod:`serving_completion`."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve import __version__
+from pdserve.server.errors import APIError
+from pdserve.server.protocol import ModelCard, ModelList, error_body
+from pdserve.server.serving_chat import create_chat_completion
+from pdserve.server.serving_completion import create_completion
+from pdserve.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """Create the app; the router starts and stops with it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.router.start()
+        yield
+        await state.router.stop()
+
+    app = FastAPI(title="pdserve", version=__version__, lifespan=lifespan)
+    app.state.pdserve = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return JSONResponse(error_body("internal server error", "internal_server_error"),
+                            status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                return APIError(401, "Invalid or missing API key.", code="invalid_api_key"
+                                ).response()
+        return await call_next(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(state, await request.body())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(state, await request.body())
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=state.model_name, created=state.created,
+                         max_model_len=state.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health():
+        if state.router.alive_workers():
+            return Response(status_code=200)
+        return JSONResponse(error_body("no worker is registered and alive",
+                                       "service_unavailable"), status_code=503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        workers = state.router.alive_workers()
+        loads = [w.load for w in workers if w.load is not None]
+        usage = max((lo.kv_cache_usage for lo in loads), default=0.0)
+        state.metrics.set_load(sum(lo.num_running for lo in loads),
+                               sum(lo.num_waiting for lo in loads), usage)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

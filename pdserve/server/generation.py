@@ -1,0 +1,171 @@
+"""Server-side generation of one request's ``n`` choices: submit to the router, turn token
+deltas into text (incremental detokenization, stop strings), time TTFT/ITL, abort on exit.
+
+``submit`` places every choice first (so "no worker" becomes a 503 before any response
+byte is sent); ``events`` then yields :class:`ChoiceEvent` objects from all choices,
+interleaved as they arrive. Leaving the iterator early (client gone) aborts every
+unfinished choice in its worker, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.router import RequestHandle, Router
+from pdserve.server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class ChoiceEvent:
+    """New output of one choice.
+
+    Attributes:
+        index: the choice index (0 .. n-1).
+        text: new text (already trimmed at a stop string).
+        token_ids: new token ids.
+        logprobs: their logprobs when requested.
+        finish_reason: ``stop``/``length`` on the choice's last event, else None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class ChoiceState:
+    handle: RequestHandle
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher
+    num_tokens: int = 0
+    done: bool = False
+
+
+@dataclass
+class Generation:
+    """A request's choices in flight. Iterate :meth:`events`; read usage afterwards."""
+
+    router: Router
+    metrics: ServerMetrics
+    prompt_token_ids: list[int]
+    choices: list[ChoiceState]
+    start_s: float
+    num_cached_tokens: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finish_reasons: list[str | None] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for ev in self._choice_events(index):
+                    queue.put_nowait(ev)
+                queue.put_nowait(None)
+            except BaseException as exc:  # surfaced to the consumer below
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.choices))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+            self._record_success()
+        finally:
+            for t in tasks:
+                t.cancel()
+            for c in self.choices:
+                if not c.done:
+                    self.router.abort(c.handle.request_id)
+
+    async def _choice_events(self, index: int) -> AsyncIterator[ChoiceEvent]:
+        c = self.choices[index]
+        m = self.metrics
+        async for delta in c.handle:
+            now = time.monotonic()
+            if self.first_token_s is None:
+                self.first_token_s = now
+                m.time_to_first_token.labels(m.model_name).observe(now - self.start_s)
+                self.num_cached_tokens = delta.num_cached_tokens
+            elif index == 0 and self.last_token_s is not None:
+                m.inter_token_latency.labels(m.model_name).observe(now - self.last_token_s)
+            if index == 0:
+                self.last_token_s = now
+            if delta.queue_time_s is not None and index == 0:
+                m.request_queue_time.labels(m.model_name).observe(delta.queue_time_s)
+            c.num_tokens += len(delta.new_token_ids)
+            text = c.detokenizer.add_tokens(delta.new_token_ids)
+            if delta.finished:
+                text += c.detokenizer.flush()
+            out, stopped = c.stop.process(text)
+            finish = delta.finish_reason
+            if stopped:
+                self.router.abort(c.handle.request_id)
+                finish = "stop"
+            elif finish is not None:
+                out += c.stop.flush()
+            if finish is not None:
+                c.done = True
+                if finish == "abort":
+                    finish = "stop"
+            yield ChoiceEvent(index, out, list(delta.new_token_ids), delta.new_logprobs, finish)
+            if finish is not None:
+                self.finish_reasons.append(finish)
+                return
+
+    def _record_success(self) -> None:
+        m = self.metrics
+        name = m.model_name
+        m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
+        m.generation_tokens.labels(name).inc(self.num_completion_tokens)
+        for reason in self.finish_reasons:
+            m.request_success.labels(name, reason).inc()
+        m.e2e_request_latency.labels(name).observe(time.monotonic() - self.start_s)
+
+
+def submit(router: Router, metrics: ServerMetrics, tokenizer, request_id: str,
+           prompt_token_ids: list[int], params: SamplingParams, stop: list[str]) -> Generation:
+    """Place all ``params.n`` choices on workers.
+
+    Raises:
+        NoWorkerAvailable: no worker can take them (nothing is left placed).
+    """
+    start = time.monotonic()
+    choices: list[ChoiceState] = []
+    try:
+        for i in range(params.n):
+            sub = dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            handle = router.add_request(f"{request_id}-{i}", prompt_token_ids, sub)
+            choices.append(ChoiceState(
+                handle, IncrementalDetokenizer(tokenizer, prompt_token_ids),
+                StopStringMatcher(stop)))
+    except Exception:
+        for c in choices:
+            router.abort(c.handle.request_id)
+        raise
+    return Generation(router, metrics, list(prompt_token_ids), choices, start)

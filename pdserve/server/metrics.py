@@ -1,0 +1,67 @@
+"""Prometheus series of the API server (``pdserve:*``), with vLLM's suffixes and meanings.
+
+One :class:`ServerMetrics` per app, on its own ``CollectorRegistry`` (no global state).
+Load gauges are filled from the workers' heartbeats when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                  50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class ServerMetrics:
+    """All series, labelled by ``model_name``.
+
+    Args:
+        model_name: the served model name (label value).
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, lbl = self.registry, ["model_name"]
+        self.num_requests_running = Gauge(
+            "pdserve:num_requests_running", "Requests in model execution batches.", lbl,
+            registry=r)
+        self.num_requests_waiting = Gauge(
+            "pdserve:num_requests_waiting", "Requests waiting to be processed.", lbl, registry=r)
+        self.kv_cache_usage_perc = Gauge(
+            "pdserve:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lbl,
+            registry=r)
+        self.prompt_tokens = Counter(
+            "pdserve:prompt_tokens", "Number of prefill tokens processed.", lbl, registry=r)
+        self.generation_tokens = Counter(
+            "pdserve:generation_tokens", "Number of generation tokens processed.", lbl,
+            registry=r)
+        self.request_success = Counter(
+            "pdserve:request_success", "Count of successfully processed requests.",
+            lbl + ["finished_reason"], registry=r)
+        self.time_to_first_token = Histogram(
+            "pdserve:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            lbl, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.inter_token_latency = Histogram(
+            "pdserve:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            lbl, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.e2e_request_latency = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.", lbl, buckets=_E2E_BUCKETS_S,
+            registry=r)
+        self.request_queue_time = Histogram(
+            "pdserve:request_queue_time_seconds",
+            "Histogram of time spent waiting for a worker slot, in seconds.", lbl,
+            buckets=_E2E_BUCKETS_S, registry=r)
+
+    def set_load(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        m = self.model_name
+        self.num_requests_running.labels(m).set(num_running)
+        self.num_requests_waiting.labels(m).set(num_waiting)
+        self.kv_cache_usage_perc.labels(m).set(kv_cache_usage)
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

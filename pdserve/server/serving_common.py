@@ -1,0 +1,107 @@
+"""Shared steps of the chat and completion handlers: parse, check, submit, stream."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import AsyncIterator, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from pdserve.router.router import NoWorkerAvailable, RequestRejected, WorkerFailed
+from pdserve.server.errors import APIError
+from pdserve.server.generation import Generation, submit
+from pdserve.server.protocol import error_body, validation_error_to_body
+from pdserve.server.state import ServerState
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+class BadRequest(APIError):
+    """A 400 whose body came from a pydantic validation error."""
+
+    def __init__(self, body: dict) -> None:
+        err = body["error"]
+        super().__init__(400, err["message"], err.get("param"), err.get("code"))
+
+
+def parse_request(model_cls: type[RequestT], raw: bytes) -> RequestT:
+    """Validate a JSON body. Raises :class:`APIError` 400 naming the bad parameter."""
+    try:
+        return model_cls.model_validate_json(raw)
+    except ValidationError as exc:
+        raise BadRequest(validation_error_to_body(exc)) from None
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """Raises APIError 404 for a model name this server does not serve."""
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                            f"`{state.model_name}`.", "model", "model_not_found")
+
+
+def check_prompt_length(state: ServerState, num_prompt_tokens: int,
+                        max_tokens: int | None) -> None:
+    """Raises APIError 400 when prompt (+ max_tokens) does not fit the context."""
+    limit = state.max_model_len
+    if num_prompt_tokens >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but the "
+                            f"prompt has {num_prompt_tokens} tokens.", "messages",
+                       "context_length_exceeded")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt "
+                            f"({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
+                            "it.", "max_tokens", "context_length_exceeded")
+
+
+def to_params(state: ServerState, req, num_prompt_tokens: int):
+    """The one OpenAI -> engine conversion, with its errors turned into 400s."""
+    try:
+        params = req.to_sampling_params(default_max_tokens=state.max_model_len - num_prompt_tokens)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    if params.n > state.max_n:
+        raise APIError(400, f"n must be at most {state.max_n}", "n")
+    vocab = getattr(state.tokenizer, "vocab_size", None)
+    if params.logit_bias and vocab and any(t >= len(state.tokenizer) for t in params.logit_bias):
+        raise APIError(400, "logit_bias contains a token id outside the vocabulary",
+                       "logit_bias")
+    check_prompt_length(state, num_prompt_tokens, params.max_tokens)
+    return params
+
+
+def start_generation(state: ServerState, prefix: str, prompt_token_ids: list[int], params,
+                     stop: list[str]) -> tuple[str, Generation]:
+    """Submit; raises APIError 503 when no worker can take it."""
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    try:
+        gen = submit(state.router, state.metrics, state.tokenizer, request_id,
+                     prompt_token_ids, params, stop)
+    except NoWorkerAvailable as exc:
+        raise APIError(503, str(exc), code="no_worker_available") from None
+    return request_id, gen
+
+
+def worker_error(exc: Exception) -> APIError:
+    """Map a failure reported while streaming to an APIError."""
+    if isinstance(exc, RequestRejected):
+        return APIError(400, str(exc))
+    if isinstance(exc, WorkerFailed):
+        return APIError(503, str(exc), code="worker_failed")
+    return APIError(500, "internal server error")
+
+
+async def sse(chunks: AsyncIterator[str]) -> AsyncIterator[bytes]:
+    """Frame JSON chunks as server-sent events, ending with ``data: [DONE]``.
+
+    A failure mid-stream becomes one error event (the HTTP status is already 200).
+    """
+    try:
+        async for chunk in chunks:
+            yield f"data: {chunk}\n\n".encode()
+    except (RequestRejected, WorkerFailed) as exc:
+        err = worker_error(exc)
+        body = error_body(err.message, "invalid_request_error" if err.status == 400
+                          else "service_unavailable", err.param, err.code)
+        yield f"data: {json.dumps(body)}\n\n".encode()
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,171 @@
+"""``POST /v1/completions``: one or several prompts, stream and non-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.server.errors import APIError
+from pdserve.server.generation import ChoiceEvent, Generation
+from pdserve.server.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from pdserve.server.serving_common import (
+    check_model,
+    parse_request,
+    sse,
+    start_generation,
+    to_params,
+    worker_error,
+)
+from pdserve.server.state import ServerState
+
+
+def prompt_id_lists(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    """Token ids of each prompt (strings are tokenized; id lists are range-checked)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    vocab = len(state.tokenizer)
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(list(state.tokenizer.encode(p)))
+        else:
+            if any(t < 0 or t >= vocab for t in p):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            out.append(list(p))
+    if any(not ids for ids in out):
+        raise APIError(400, "prompt must not be empty", "prompt")
+    return out
+
+
+def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offset: int = 0
+                        ) -> CompletionLogProbs | None:
+    if lps is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        text = tokenizer.decode([lp.token_id])
+        tokens.append(text)
+        token_lps.append(lp.logprob)
+        tops.append({tokenizer.decode([t]): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogProbs(text_offset=offsets, token_logprobs=token_lps, tokens=tokens,
+                              top_logprobs=tops)
+
+
+async def _merged(gens: list[Generation], n: int) -> AsyncIterator[ChoiceEvent]:
+    """Events of several prompts' generations; choice index = prompt_index * n + j."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, gen: Generation) -> None:
+        try:
+            async for ev in gen.events():
+                ev.index += k * n
+                queue.put_nowait(ev)
+            queue.put_nowait(None)
+        except BaseException as exc:
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(k, g)) for k, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(gens: list[Generation]) -> UsageInfo:
+    p = sum(g.num_prompt_tokens for g in gens)
+    c = sum(g.num_completion_tokens for g in gens)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+async def create_completion(state: ServerState, raw: bytes):
+    req = parse_request(CompletionRequest, raw)
+    check_model(state, req.model)
+    prompts = prompt_id_lists(state, req)
+    params_list = [to_params(state, req, len(p)) for p in prompts]
+    n = params_list[0].n
+    gens: list[Generation] = []
+    request_id = ""
+    try:
+        for ids, params in zip(prompts, params_list):
+            rid, gen = start_generation(state, "cmpl", ids, params, req.stop_list)
+            request_id = request_id or rid
+            gens.append(gen)
+    except APIError:
+        for g in gens:
+            for c in g.choices:
+                state.router.abort(c.handle.request_id)
+        raise
+    created = int(time.time())
+    num_choices = n * len(prompts)
+    want_logprobs = params_list[0].logprobs is not None
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def chunks() -> AsyncIterator[str]:
+            async for ev in _merged(gens, n):
+                if not ev.text and ev.finish_reason is None and not want_logprobs:
+                    continue
+                yield CompletionStreamResponse(
+                    id=request_id, created=created, model=state.model_name,
+                    choices=[CompletionResponseStreamChoice(
+                        index=ev.index, text=ev.text, finish_reason=ev.finish_reason,
+                        logprobs=completion_logprobs(state.tokenizer, ev.logprobs)
+                        if want_logprobs else None)],
+                    system_fingerprint=state.system_fingerprint).model_dump_json()
+            if include_usage:
+                yield CompletionStreamResponse(
+                    id=request_id, created=created, model=state.model_name, choices=[],
+                    usage=_usage(gens), system_fingerprint=state.system_fingerprint,
+                ).model_dump_json()
+
+        return StreamingResponse(sse(chunks()), media_type="text/event-stream")
+
+    texts = [""] * num_choices
+    lps: list[list[TokenLogprob] | None] = [None] * num_choices
+    finish: list[str | None] = [None] * num_choices
+    try:
+        async for ev in _merged(gens, n):
+            texts[ev.index] += ev.text
+            if ev.logprobs is not None:
+                lps[ev.index] = (lps[ev.index] or []) + list(ev.logprobs)
+            if ev.finish_reason is not None:
+                finish[ev.index] = ev.finish_reason
+    except Exception as exc:
+        raise worker_error(exc) from None
+    choices = [CompletionResponseChoice(
+        index=i, text=texts[i], finish_reason=finish[i],
+        logprobs=completion_logprobs(state.tokenizer, lps[i]) if want_logprobs else None)
+        for i in range(num_choices)]
+    resp = CompletionResponse(id=request_id, created=created, model=state.model_name,
+                              choices=choices, usage=_usage(gens),
+                              system_fingerprint=state.system_fingerprint)
+    return JSONResponse(resp.model_dump(mode="json"))

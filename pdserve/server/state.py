@@ -1,0 +1,42 @@
+"""What the API server's handlers share: router, tokenizer, metrics, limits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.router.router import Router
+from pdserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    """Shared by all handlers of one app.
+
+    Attributes:
+        router: places requests on workers.
+        tokenizer: the served model's transformers tokenizer.
+        model_name: the served model name clients must send.
+        default_max_model_len: longest prompt + output accepted before any worker registers;
+            afterwards the smallest ``max_model_len`` of the alive workers.
+        metrics: the Prometheus series.
+        api_key: bearer token required on /v1 routes, or None.
+        max_n: most choices per request.
+    """
+
+    router: Router
+    tokenizer: object
+    model_name: str
+    default_max_model_len: int
+    metrics: ServerMetrics
+    api_key: str | None = None
+    max_n: int = 16
+    created: int = field(default_factory=lambda: int(time.time()))
+    system_fingerprint: str = "pdserve-0.1.0"
+
+    @property
+    def max_model_len(self) -> int:
+        workers = self.router.alive_workers()
+        if workers:
+            return min(w.info.max_model_len for w in workers)
+        return self.default_max_model_len

