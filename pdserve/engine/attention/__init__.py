@@ -7,3 +7,5 @@ from pdserve.engine.attention.base import (  # noqa: F401
     AttentionInputs,
     get_backend,
 )
+
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionInputs", "get_backend"]
