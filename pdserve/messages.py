@@ -6,7 +6,7 @@ its ``worker_id``, so one connection carries both directions.
 
 Worker -> router: :class:`RegisterWorker`, :class:`Heartbeat`, :class:`StepOutputs`,
 :class:`RequestFailed`. Router -> worker: :class:`RegisterAck`, :class:`GenerateRequest`,
-:class:`AbortRequests`, :class:`ShutdownWorker`. The disaggregation work adds its
+:class:`AbortRequests`, :class:`ReregisterRequest`, :class:`ShutdownWorker`. The disaggregation work adds its
 messages to the same unions.
 """
 
@@ -64,6 +64,10 @@ class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
+class ReregisterRequest(msgspec.Struct, tag="reregister"):
+    """Router -> worker: the router does not know you (restarted, or dropped you as dead)."""
+
+
 class ShutdownWorker(msgspec.Struct, tag="shutdown"):
     """Router -> worker: exit cleanly."""
 
@@ -84,7 +88,7 @@ class RequestFailed(msgspec.Struct, tag="request_failed"):
 
 
 ToRouter = RegisterWorker | Heartbeat | StepOutputs | RequestFailed
-ToWorker = RegisterAck | GenerateRequest | AbortRequests | ShutdownWorker
+ToWorker = RegisterAck | GenerateRequest | AbortRequests | ReregisterRequest | ShutdownWorker
 
 
 class MessageCodec:

@@ -216,3 +216,27 @@ def test_disconnecting_stream_clients_free_everything(server):
     assert m["pdserve:num_requests_running{}"] == 0
     assert m["pdserve:num_requests_waiting{}"] == 0
     assert m["pdserve:kv_cache_usage_perc{}"] == 0
+
+
+def test_chat_logprobs_are_the_greedy_tokens_top_alternatives(client):
+    resp = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0,
+                                          max_tokens=6, logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 6
+    assert "".join(lp.token for lp in content) == resp.choices[0].message.content
+    for lp in content:
+        tops = [t.logprob for t in lp.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert lp.token == lp.top_logprobs[0].token  # greedy picks the most likely token
+        assert lp.logprob == pytest.approx(tops[0]) and lp.logprob <= 0
+
+
+def test_completion_logprobs_have_one_entry_per_token(client):
+    resp = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=5,
+                                     temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)

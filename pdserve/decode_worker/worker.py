@@ -1,9 +1,9 @@
 """Decode worker process: runs the engine's step loop and talks to the router over zmq.
 
 The loop never blocks on the socket while the engine has work: it drains incoming messages
-without waiting, runs one engine step, sends that step's outputs as one message, and
-heartbeats its load once a second. When idle it waits on the socket (up to the heartbeat
-period) instead of spinning.
+without waiting, runs one engine step and sends that step's outputs as one message. When
+idle it waits on the socket instead of spinning. Heartbeats come from their own thread and
+socket, so a long step (a big prefill chunk on CPU) never makes the worker look dead.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import zmq
@@ -23,6 +24,7 @@ from pdserve.messages import (
     MessageCodec,
     RegisterAck,
     RegisterWorker,
+    ReregisterRequest,
     RequestFailed,
     ShutdownWorker,
     StepOutputs,
@@ -73,16 +75,32 @@ class DecodeWorker:
             num_kv_blocks=self.engine.block_manager.num_blocks, pid=os.getpid(),
         ))
 
-    def _heartbeat(self) -> None:
+    def _load(self) -> Heartbeat:
+        """A snapshot of the engine's load (plain counters, safe to read from another thread)."""
         bm = self.engine.block_manager
         sched = self.engine.scheduler
-        self._send(Heartbeat(
+        return Heartbeat(
             worker_id=self.worker_id, num_running=sched.num_running,
             num_waiting=sched.num_waiting, num_free_blocks=bm.num_free_blocks,
             kv_cache_usage=bm.usage, num_preemptions=sched.num_preemptions,
             num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
             num_prefix_queried_tokens=bm.num_prefix_queried_tokens,
-        ))
+        )
+
+    def _heartbeat_loop(self) -> None:
+        """Thread: report load every ``heartbeat_interval_s`` on a socket of its own."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.router_address)
+        codec = MessageCodec()
+        try:
+            while not self.should_stop:
+                if self.is_registered:
+                    sock.send(codec.encode(self._load()))
+                time.sleep(self.heartbeat_interval_s)
+        finally:
+            sock.close(0)
 
     def _handle(self, data: bytes) -> None:
         try:
@@ -102,6 +120,8 @@ class DecodeWorker:
         elif isinstance(msg, RegisterAck):
             self.is_registered = True
             self.heartbeat_interval_s = msg.heartbeat_interval_s
+        elif isinstance(msg, ReregisterRequest):
+            self.is_registered = False
         elif isinstance(msg, ShutdownWorker):
             self.should_stop = True
 
@@ -126,23 +146,22 @@ class DecodeWorker:
         signal.signal(signal.SIGINT, _stop)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        last_heartbeat = last_register = 0.0
+        heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        heartbeats.start()
+        last_register = 0.0
         while not self.should_stop:
             now = time.monotonic()
             if not self.is_registered and now - last_register >= REGISTER_RETRY_S:
                 self._register()
                 last_register = now
             busy = self.engine.has_unfinished_requests
-            timeout_ms = 0 if busy else int(self.heartbeat_interval_s * 1000)
+            timeout_ms = 0 if busy else int(REGISTER_RETRY_S * 1000)
             while poller.poll(timeout_ms):
                 self._handle(self.sock.recv())
                 timeout_ms = 0
             if self.engine.has_unfinished_requests:
                 self._step()
-            now = time.monotonic()
-            if self.is_registered and now - last_heartbeat >= self.heartbeat_interval_s:
-                self._heartbeat()
-                last_heartbeat = now
         logger.info("decode worker %s stopping", self.worker_id)
+        heartbeats.join(timeout=2 * self.heartbeat_interval_s)
         self.sock.close(0)
         self.ctx.term()

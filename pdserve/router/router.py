@@ -27,6 +27,7 @@ from pdserve.messages import (
     MessageCodec,
     RegisterAck,
     RegisterWorker,
+    ReregisterRequest,
     RequestFailed,
     ShutdownWorker,
     StepOutputs,
@@ -190,7 +191,8 @@ class Router:
                 if delta.finished:
                     self._forget(delta.request_id, worker)
         elif isinstance(msg, Heartbeat):
-            self.registry.heartbeat(msg)
+            if self.registry.heartbeat(msg) is None:
+                self._send(msg.worker_id, ReregisterRequest())
         elif isinstance(msg, RequestFailed):
             handle = self.handles.get(msg.request_id)
             if handle is not None:
