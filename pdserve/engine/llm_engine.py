@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -17,6 +18,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class KVCapacityError(RuntimeError):
+    """Not enough free KV blocks to reserve for a remote prefill right now."""
 
 
 class LLMEngine:
@@ -55,6 +60,8 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.requests: dict[str, Request] = {}
+        #: request id -> [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.exported_kv: dict[str, torch.Tensor] = {}
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         logger.info(
@@ -64,9 +71,10 @@ class LLMEngine:
         )
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, arrival_time: float | None = None) -> None:
-        """Queue a request.
+    def _new_request(self, request_id: str, prompt_token_ids: list[int],
+                     sampling_params: SamplingParams, arrival_time: float | None,
+                     max_tokens_override: int | None = None) -> Request:
+        """Validate and build a request (not yet queued).
 
         Raises:
             ValueError: duplicate id, empty prompt, token id outside the vocabulary, or
@@ -96,10 +104,123 @@ class LLMEngine:
             )
         if sampling_params.logit_bias and any(t >= vocab for t in sampling_params.logit_bias):
             raise ValueError(f"logit_bias token ids must be < vocab size {vocab}")
-        request = Request(request_id, prompt_token_ids, sampling_params, max_tokens,
-                          self.arch.eos_token_ids, self.runner.device, arrival_time)
+        if max_tokens_override is not None:
+            max_tokens = min(max_tokens, max_tokens_override)
+        return Request(request_id, prompt_token_ids, sampling_params, max_tokens,
+                       self.arch.eos_token_ids, self.runner.device, arrival_time)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, arrival_time: float | None = None,
+                    export_kv: bool = False) -> None:
+        """Queue a request.
+
+        Args:
+            export_kv: prefill-worker mode: stop after the first token and keep a copy of the
+                prompt's KV blocks in :attr:`exported_kv` (taken with :meth:`pop_exported_kv`).
+
+        Raises:
+            ValueError: as :meth:`_new_request`.
+        """
+        request = self._new_request(request_id, prompt_token_ids, sampling_params,
+                                    arrival_time, max_tokens_override=1 if export_kv else None)
+        request.export_kv = export_kv
         self.requests[request_id] = request
         self.scheduler.add_request(request)
+
+    # -- remote prefill (decode side) ----------------------------------------------------
+    def reserve_remote_prefill(self, request_id: str, prompt_token_ids: list[int],
+                               sampling_params: SamplingParams,
+                               arrival_time: float | None = None) -> int:
+        """Reserve blocks for a prompt whose KV another worker will send; park the request.
+
+        Returns:
+            Prompt tokens already in this worker's prefix cache (their blocks are shared and
+            must not be overwritten by the incoming KV).
+
+        Raises:
+            ValueError: as :meth:`add_request`.
+            KVCapacityError: not enough free blocks now.
+        """
+        request = self._new_request(request_id, prompt_token_ids, sampling_params, arrival_time)
+        if not self.block_manager.can_allocate(request):
+            raise KVCapacityError(
+                f"not enough free KV blocks for {request.num_tokens} tokens "
+                f"({self.block_manager.num_free_blocks} free)")
+        self.block_manager.allocate(request)
+        request.num_cached_tokens = request.num_computed_tokens
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request_id] = request
+        return request.num_cached_tokens
+
+    def complete_remote_prefill(self, request_id: str, first_token_id: int,
+                                kv: torch.Tensor) -> bool:
+        """Write a parked request's received KV into its blocks and start decoding it.
+
+        Args:
+            first_token_id: the token the prefill worker sampled (already streamed).
+            kv: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
+                cache dtype, the prompt's blocks in order (blocks this worker had cached are
+                skipped, not overwritten).
+
+        Returns:
+            False if the request is unknown or no longer waiting (aborted meanwhile).
+
+        Raises:
+            ValueError: ``kv`` has the wrong shape for this request.
+        """
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING_FOR_KV:
+            return False
+        bs = self.block_manager.block_size
+        num_blocks = self.block_manager.num_blocks_for(req.num_prompt_tokens)
+        cache = self.runner.kv_cache
+        expected = (cache.shape[0], 2, num_blocks, bs, cache.shape[4], cache.shape[5])
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"received KV has shape {tuple(kv.shape)}, expected {expected}")
+        first = req.num_cached_tokens // bs
+        if first < num_blocks:
+            ids = torch.tensor(req.block_table[first:num_blocks], device=cache.device)
+            cache[:, :, ids] = kv[:, :, first:].to(device=cache.device, dtype=cache.dtype)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.block_manager.cache_computed_blocks(req)
+        req.append_output_token(first_token_id)
+        status = req.check_stop(self.max_model_len)
+        if status is not None:  # the router already knows; just release the blocks
+            self.scheduler.finish(req, status)
+            del self.requests[request_id]
+            return True
+        req.status = RequestStatus.RUNNING
+        req.first_scheduled_s = time.monotonic()
+        self.scheduler.running.append(req)
+        return True
+
+    def resume_locally(self, request_id: str, output_token_ids: list[int]) -> bool:
+        """Recompute a parked request's prefill here (its KV will not come).
+
+        Args:
+            output_token_ids: tokens already streamed to the client (the prefill worker's
+                first token, or nothing); generation continues after them.
+
+        Returns:
+            False if the request is unknown or no longer waiting.
+        """
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING_FOR_KV:
+            return False
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.token_ids = req.prompt_token_ids + list(output_token_ids)
+        req.status = RequestStatus.WAITING
+        self.scheduler.add_request(req)
+        return True
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return sum(r.status is RequestStatus.WAITING_FOR_KV for r in self.requests.values())
+
+    def pop_exported_kv(self, request_id: str) -> torch.Tensor | None:
+        """The KV copied out of a finished ``export_kv`` request (prefill worker), once."""
+        return self.exported_kv.pop(request_id, None)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or finished."""
@@ -143,6 +264,8 @@ class LLMEngine:
                 )]
             status = req.check_stop(self.max_model_len)
             if status is not None:
+                if req.export_kv:
+                    self.exported_kv[request_id] = self._copy_prompt_kv(req)
                 self.scheduler.finish(req, status)
                 del self.requests[request_id]
             queue_time_s = None
@@ -155,6 +278,13 @@ class LLMEngine:
                 num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time_s,
             ))
         return deltas
+
+    def _copy_prompt_kv(self, req: Request) -> torch.Tensor:
+        """``[num_layers, 2, num_blocks, block_size, H, D]`` copy of the prompt's blocks."""
+        num_blocks = self.block_manager.num_blocks_for(req.num_prompt_tokens)
+        cache = self.runner.kv_cache
+        ids = torch.tensor(req.block_table[:num_blocks], device=cache.device)
+        return cache.index_select(2, ids)
 
     # -- load ----------------------------------------------------------------------------
     @property

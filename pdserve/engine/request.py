@@ -12,6 +12,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -45,6 +46,7 @@ class Request:
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         max_tokens: output limit resolved against the model length.
         generator: per-request RNG when ``sampling_params.seed`` is set.
+        export_kv: a prefill worker's request: copy its KV out when it finishes.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -67,6 +69,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.added_s = time.monotonic()
         self.first_scheduled_s: float | None = None
+        self.export_kv = False
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=device)

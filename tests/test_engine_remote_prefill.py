@@ -1,0 +1,77 @@
+"""Engine-level remote prefill: one engine prefills and exports KV, another decodes from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.llm_engine import KVCapacityError
+
+from test_engine_equivalence import NUM_NEW_TOKENS, make_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+
+
+def run_to_end(engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests:
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    """(prefill engine, decode engine, colocated LLM) on the same tiny checkpoint."""
+    _, path, _ = tiny_model
+    kw = dict(dtype="float32", load_progress=False, block_size=16, max_num_batched_tokens=64)
+    return LLM(str(path), **kw).engine, LLM(str(path), **kw).engine, LLM(str(path), **kw)
+
+
+def test_decode_from_transferred_kv_equals_colocated(engines):
+    prefill, decode, colocated = engines
+    prompts = make_prompts([40, 100, 211], seed=3)
+    expected = [o.outputs[0].token_ids
+                for o in colocated.generate(prompts, GREEDY, detokenize=False)]
+    initial_free = decode.num_free_blocks
+    for i, p in enumerate(prompts):
+        prefill.add_request(f"r{i}", p, GREEDY, export_kv=True)
+        assert decode.reserve_remote_prefill(f"r{i}", p, GREEDY) == 0
+    first = run_to_end(prefill)
+    assert prefill.num_free_blocks == prefill.block_manager.num_blocks  # P keeps nothing
+    for i in range(len(prompts)):
+        kv = prefill.pop_exported_kv(f"r{i}")
+        assert decode.complete_remote_prefill(f"r{i}", first[f"r{i}"][0], kv)
+    rest = run_to_end(decode)
+    got = [first[f"r{i}"] + rest[f"r{i}"] for i in range(len(prompts))]
+    assert got == expected
+    assert decode.num_free_blocks == initial_free
+
+
+def test_resume_locally_continues_after_the_streamed_first_token(engines):
+    prefill, decode, colocated = engines
+    prompt = make_prompts([77], seed=4)[0]
+    expected = colocated.generate([prompt], GREEDY, detokenize=False)[0].outputs[0]
+    decode.reserve_remote_prefill("lost", prompt, GREEDY)
+    assert decode.resume_locally("lost", [expected.token_ids[0]])
+    rest = run_to_end(decode)["lost"]
+    assert [expected.token_ids[0]] + rest == expected.token_ids
+
+
+def test_abort_of_a_parked_request_frees_its_reservation(engines):
+    _, decode, _ = engines
+    initial = decode.num_free_blocks
+    decode.reserve_remote_prefill("parked", make_prompts([150], seed=5)[0], GREEDY)
+    assert decode.num_free_blocks < initial
+    assert decode.abort_request("parked")
+    assert decode.num_free_blocks == initial
+
+
+def test_reservation_beyond_free_blocks_is_refused(tiny_model):
+    _, path, _ = tiny_model
+    engine = LLM(str(path), dtype="float32", load_progress=False, block_size=16,
+                 num_kv_blocks=20, max_model_len=300).engine
+    engine.reserve_remote_prefill("a", make_prompts([250], seed=6)[0], GREEDY)
+    with pytest.raises(KVCapacityError):
+        engine.reserve_remote_prefill("b", make_prompts([250], seed=7)[0], GREEDY)
+    assert "b" not in engine.requests
