@@ -39,6 +39,16 @@ def _die_with_parent() -> None:
         pass
 
 
+def _exit_on_sigterm(signum: int, frame) -> None:  # noqa: ARG001
+    """SIGTERM -> ``SystemExit(0)``, so that ``finally`` blocks (stopping workers) run.
+
+    uvicorn handles SIGTERM itself while serving, shuts down, then raises the signal again
+    with the handler it found installed: with the default one the process would die right
+    there, skipping ``stop_processes`` in ``run_serve``.
+    """
+    raise SystemExit(0)
+
+
 def spawn_worker(kind: str, model: str | None, router_address: str,
                  engine_argv: list[str], worker_id: str) -> subprocess.Popen:
     """Start ``pdserve <kind>`` as a child process that dies with us."""
@@ -119,6 +129,7 @@ def _free_port(host: str) -> int:
 
 def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     """``pdserve serve``: API server + router here, one decode worker as a child process."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     router_address = args.router_address or f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
     state = build_server_state(args, router_address)
     workers = [spawn_worker("decode-worker", args.model, state.router.address, engine_argv,
@@ -131,6 +142,7 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
 
 def run_server(args: argparse.Namespace) -> int:
     """``pdserve server``: API server + router only; workers connect to ``--router-address``."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     state = build_server_state(args, args.router_address or "tcp://0.0.0.0:5557")
     print(f"pdserve: router listening at {state.router.address}", flush=True)
     return asyncio.run(_serve_http(state, args.host, args.port, [], False))

