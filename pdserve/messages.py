@@ -28,6 +28,8 @@ class RegisterWorker(msgspec.Struct, tag="register"):
     block_size: int
     num_kv_blocks: int
     pid: int
+    kv_address: str | None = None  # where a decode worker receives pushed KV
+    kv_transport: str | None = None
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack"):
@@ -47,6 +49,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
     num_prefix_queried_tokens: int = 0
+    num_requests_served: int = 0  # requests this worker finished (prefills, for P)
 
 
 class GenerateRequest(msgspec.Struct, tag="generate"):
@@ -56,6 +59,85 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+
+
+class ExpectRemoteKV(msgspec.Struct, tag="expect_kv"):
+    """Router -> decode worker: reserve blocks for this prompt; its KV will be pushed."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class KVReserved(msgspec.Struct, tag="kv_reserved"):
+    """Decode worker -> router: blocks reserved (``num_cached_tokens`` already cached)."""
+
+    request_id: str
+    num_cached_tokens: int
+
+
+class KVReserveRefused(msgspec.Struct, tag="kv_refused"):
+    """Decode worker -> router: cannot reserve now (``is_capacity``) or invalid request."""
+
+    request_id: str
+    message: str
+    is_capacity: bool
+
+
+class PrefillRequest(msgspec.Struct, tag="prefill"):
+    """Router -> prefill worker: prefill, return the first token, push the KV to ``dest``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    dest_worker_id: str
+    dest_kv_address: str
+
+
+class PrefillDone(msgspec.Struct, tag="prefill_done"):
+    """Prefill worker -> router: the first token (sent before the KV transfer starts).
+
+    ``delta.finish_reason`` is set only when the first token really ends the request.
+    """
+
+    worker_id: str
+    delta: RequestDelta
+    prefill_time_s: float
+
+
+class KVSent(msgspec.Struct, tag="kv_sent"):
+    """Prefill worker -> router: a request's KV transfer finished (or failed)."""
+
+    worker_id: str
+    request_id: str
+    num_bytes: int
+    seconds: float
+    error: str | None = None
+
+
+class FirstToken(msgspec.Struct, tag="first_token"):
+    """Router -> decode worker: the prefill worker's first token of a parked request."""
+
+    request_id: str
+    token_id: int
+
+
+class ResumeLocally(msgspec.Struct, tag="resume_locally"):
+    """Router -> decode worker: the KV will not come; recompute the prefill here and go
+    on after ``output_token_ids`` (tokens the client already has)."""
+
+    request_id: str
+    output_token_ids: list[int]
+
+
+class KVTransferFailed(msgspec.Struct, tag="kv_failed"):
+    """Decode worker -> router: a parked request's KV did not arrive intact in time."""
+
+    worker_id: str
+    request_id: str
+    reason: str  # "timeout" | "checksum" | "format"
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -87,8 +169,10 @@ class RequestFailed(msgspec.Struct, tag="request_failed"):
     is_client_error: bool = True
 
 
-ToRouter = RegisterWorker | Heartbeat | StepOutputs | RequestFailed
-ToWorker = RegisterAck | GenerateRequest | AbortRequests | ReregisterRequest | ShutdownWorker
+ToRouter = (RegisterWorker | Heartbeat | StepOutputs | RequestFailed | KVReserved
+            | KVReserveRefused | PrefillDone | KVSent | KVTransferFailed)
+ToWorker = (RegisterAck | GenerateRequest | AbortRequests | ReregisterRequest | ShutdownWorker
+            | ExpectRemoteKV | PrefillRequest | FirstToken | ResumeLocally)
 
 
 class MessageCodec:

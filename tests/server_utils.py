@@ -112,12 +112,14 @@ def wait_idle(server, timeout_s: float = 3.0) -> dict[str, float]:
 class ServerProcess:
     """``pdserve serve`` on a free loopback port; ``base_url`` ends in ``/v1``."""
 
-    def __init__(self, *extra: str, startup_timeout_s: float = 240.0) -> None:
+    def __init__(self, *extra: str, colocated: bool = True,
+                 startup_timeout_s: float = 240.0) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.base}/v1"
         self.proc = start_cli("serve", "--port", str(self.port), "--max-model-len", "2048",
-                              "--num-kv-blocks", "512", *extra)
+                              "--num-kv-blocks", "512", *(["--colocated"] if colocated else []),
+                              *extra)
         if wait_health(self.base, 200, self.proc, startup_timeout_s):
             return
         if self.proc.poll() is not None:
@@ -134,3 +136,18 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 30.0) -> int:
         return stop_process(self.proc, timeout_s)
+
+
+def num_workers_up(server, role: str) -> int:
+    """Alive workers of ``role`` according to the server's /metrics."""
+    return sum(1 for key, value in metrics(server).items()
+               if key.startswith("pdserve:worker_up{") and f"role={role}" in key and value == 1)
+
+
+def wait_workers(server, role: str, count: int, timeout_s: float = 120.0) -> None:
+    """Block until ``count`` workers of ``role`` are registered and alive."""
+    deadline = time.monotonic() + timeout_s
+    while num_workers_up(server, role) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {count} {role} workers came up")
+        time.sleep(0.3)

@@ -1,167 +1,157 @@
-"""Decode worker process: runs the engine's step loop and talks to the router over zmq.
+"""Decode worker: continuous batching over the engine, plus the receiving half of
+disaggregated prefill.
 
-The loop never blocks on the socket while the engine has work: it drains incoming messages
-without waiting, runs one engine step and sends that step's outputs as one message. When
-idle it waits on the socket instead of spinning. Heartbeats come from their own thread and
-socket, so a long step (a big prefill chunk on CPU) never makes the worker look dead.
+Remote prefill, decode side (see ARCHITECTURE.md, "push into reserved blocks")::
+
+    router: ExpectRemoteKV ──► reserve blocks, park request ──► KVReserved
+    P ──KV (FP8/native)──► KVInbox thread (verify, dequantize)  ┐
+    router: FirstToken ───────────────────────────────────────┤ both here?
+                                                               └► write blocks, join batch
+    no KV within --kv-transfer-timeout, or a bad checksum ──► KVTransferFailed to router,
+    which answers ResumeLocally (recompute here) or aborts (policy "fail").
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import threading
+import queue
 import time
+from dataclasses import dataclass
 
-import zmq
+import torch
 
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.decode_worker.kv_inbox import KVInbox
+from pdserve.engine.llm_engine import KVCapacityError, LLMEngine
 from pdserve.messages import (
-    AbortRequests,
+    ExpectRemoteKV,
+    FirstToken,
     GenerateRequest,
-    Heartbeat,
-    MessageCodec,
-    RegisterAck,
-    RegisterWorker,
-    ReregisterRequest,
+    KVReserved,
+    KVReserveRefused,
+    KVTransferFailed,
     RequestFailed,
-    ShutdownWorker,
+    ResumeLocally,
     StepOutputs,
 )
+from pdserve.worker_base import EngineWorker
 
 logger = logging.getLogger(__name__)
 
-#: Re-send the registration this often until the router acknowledges it.
-REGISTER_RETRY_S = 1.0
+
+@dataclass
+class ParkedRequest:
+    """A request waiting for its pushed KV and its first token."""
+
+    reserved_s: float
+    kv: torch.Tensor | None = None
+    first_token_id: int | None = None
+    is_failure_reported: bool = False
 
 
-class DecodeWorker:
-    """Engine loop of one decode worker.
+class DecodeWorker(EngineWorker):
+    """See the module docstring.
 
     Args:
-        engine: the engine (already loaded).
-        router_address: zmq address of the router's ROUTER socket (``tcp://host:port``).
-        worker_id: unique name; also the zmq identity.
-        model_name: the served model name reported to the router.
-        heartbeat_interval_s: load report period.
+        kv_transport: transport name for receiving KV, or None to accept no remote prefill.
+        kv_transfer_timeout_s: deadline from reservation to a complete KV.
     """
 
     role = "decode"
 
     def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
-                 model_name: str, heartbeat_interval_s: float = 1.0) -> None:
-        self.engine = engine
-        self.router_address = router_address
-        self.worker_id = worker_id
-        self.model_name = model_name
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.codec = MessageCodec()
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(router_address)
-        self.is_registered = False
-        self.should_stop = False
+                 model_name: str, heartbeat_interval_s: float = 1.0,
+                 kv_transport: str | None = "zmq", kv_transfer_timeout_s: float = 10.0) -> None:
+        super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s)
+        self.kv_transport = kv_transport
+        self.kv_transfer_timeout_s = kv_transfer_timeout_s
+        self.inbox = None
+        if kv_transport is not None:
+            self.inbox = KVInbox(kv_transport, engine.arch.num_layers, engine.runner.dtype)
+        self.parked: dict[str, ParkedRequest] = {}
 
-    def _send(self, msg) -> None:
-        self.sock.send(self.codec.encode(msg), copy=False)
+    def registration_extras(self) -> dict:
+        if self.inbox is None:
+            return {}
+        return {"kv_address": self.inbox.address, "kv_transport": self.kv_transport}
 
-    def _register(self) -> None:
-        self._send(RegisterWorker(
-            worker_id=self.worker_id, role=self.role, model_name=self.model_name,
-            max_model_len=self.engine.max_model_len, block_size=self.engine.config.block_size,
-            num_kv_blocks=self.engine.block_manager.num_blocks, pid=os.getpid(),
-        ))
-
-    def _load(self) -> Heartbeat:
-        """A snapshot of the engine's load (plain counters, safe to read from another thread)."""
-        bm = self.engine.block_manager
-        sched = self.engine.scheduler
-        return Heartbeat(
-            worker_id=self.worker_id, num_running=sched.num_running,
-            num_waiting=sched.num_waiting, num_free_blocks=bm.num_free_blocks,
-            kv_cache_usage=bm.usage, num_preemptions=sched.num_preemptions,
-            num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
-            num_prefix_queried_tokens=bm.num_prefix_queried_tokens,
-        )
-
-    def _heartbeat_loop(self) -> None:
-        """Thread: report load every ``heartbeat_interval_s`` on a socket of its own."""
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.router_address)
-        codec = MessageCodec()
-        try:
-            while not self.should_stop:
-                if self.is_registered:
-                    sock.send(codec.encode(self._load()))
-                time.sleep(self.heartbeat_interval_s)
-        finally:
-            sock.close(0)
-
-    def _handle(self, data: bytes) -> None:
-        try:
-            msg = self.codec.decode_to_worker(data)
-        except Exception as exc:  # malformed bytes must not kill the worker
-            logger.warning("dropping malformed message: %s", exc)
-            return
+    def handle(self, msg) -> None:
         if isinstance(msg, GenerateRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids,
                                         msg.sampling_params, msg.arrival_time)
             except ValueError as exc:
-                self._send(RequestFailed(msg.request_id, str(exc)))
-        elif isinstance(msg, AbortRequests):
-            for rid in msg.request_ids:
-                self.engine.abort_request(rid)
-        elif isinstance(msg, RegisterAck):
-            self.is_registered = True
-            self.heartbeat_interval_s = msg.heartbeat_interval_s
-        elif isinstance(msg, ReregisterRequest):
-            self.is_registered = False
-        elif isinstance(msg, ShutdownWorker):
-            self.should_stop = True
+                self.send(RequestFailed(msg.request_id, str(exc)))
+        elif isinstance(msg, ExpectRemoteKV):
+            self._reserve(msg)
+        elif isinstance(msg, FirstToken):
+            parked = self.parked.get(msg.request_id)
+            if parked is not None:
+                parked.first_token_id = msg.token_id
+                self._try_complete(msg.request_id)
+        elif isinstance(msg, ResumeLocally):
+            if self.parked.pop(msg.request_id, None) is not None:
+                self.engine.resume_locally(msg.request_id, msg.output_token_ids)
+        else:
+            super().handle(msg)
 
-    def _step(self) -> None:
+    def _reserve(self, msg: ExpectRemoteKV) -> None:
         try:
-            deltas = self.engine.step()
-        except Exception:  # an engine bug fails the batch, not the worker
-            logger.exception("engine step failed; failing its requests")
-            for rid in list(self.engine.requests):
-                self.engine.abort_request(rid)
-                self._send(RequestFailed(rid, "internal engine error", is_client_error=False))
+            num_cached = self.engine.reserve_remote_prefill(
+                msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.arrival_time)
+        except KVCapacityError as exc:
+            self.send(KVReserveRefused(msg.request_id, str(exc), is_capacity=True))
             return
+        except ValueError as exc:
+            self.send(KVReserveRefused(msg.request_id, str(exc), is_capacity=False))
+            return
+        self.parked[msg.request_id] = ParkedRequest(time.monotonic())
+        self.send(KVReserved(msg.request_id, num_cached))
+
+    def _try_complete(self, rid: str) -> None:
+        parked = self.parked[rid]
+        if parked.kv is None or parked.first_token_id is None:
+            return
+        del self.parked[rid]
+        try:
+            self.engine.complete_remote_prefill(rid, parked.first_token_id, parked.kv)
+        except ValueError as exc:
+            logger.warning("KV for %s does not fit: %s", rid, exc)
+            self.parked[rid] = ParkedRequest(parked.reserved_s, None, parked.first_token_id,
+                                             True)
+            self.send(KVTransferFailed(self.worker_id, rid, "format"))
+
+    def poll_extra(self) -> None:
+        if self.inbox is not None:
+            while True:
+                try:
+                    rid, item = self.inbox.ready.get_nowait()
+                except queue.Empty:
+                    break
+                parked = self.parked.get(rid)
+                if parked is None or parked.is_failure_reported:
+                    continue  # aborted, resumed or already failed
+                if isinstance(item, str):
+                    parked.is_failure_reported = True
+                    self.send(KVTransferFailed(self.worker_id, rid, item))
+                else:
+                    parked.kv = item
+                    self._try_complete(rid)
+        now = time.monotonic()
+        for rid, parked in self.parked.items():
+            if (parked.kv is None and not parked.is_failure_reported
+                    and now - parked.reserved_s > self.kv_transfer_timeout_s):
+                parked.is_failure_reported = True
+                self.send(KVTransferFailed(self.worker_id, rid, "timeout"))
+
+    def abort(self, request_id: str) -> None:
+        self.parked.pop(request_id, None)
+        super().abort(request_id)
+
+    def after_step(self, deltas) -> None:
         if deltas:
-            self._send(StepOutputs(self.worker_id, deltas))
+            self.num_requests_served += sum(d.finished for d in deltas)
+            self.send(StepOutputs(self.worker_id, deltas))
 
-    def run(self) -> None:
-        """Serve until SIGTERM/SIGINT or a :class:`ShutdownWorker` message."""
-        def _stop(signum, frame):  # noqa: ARG001
-            self.should_stop = True
-
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        heartbeats.start()
-        last_register = 0.0
-        while not self.should_stop:
-            now = time.monotonic()
-            if not self.is_registered and now - last_register >= REGISTER_RETRY_S:
-                self._register()
-                last_register = now
-            busy = self.engine.has_unfinished_requests
-            timeout_ms = 0 if busy else int(REGISTER_RETRY_S * 1000)
-            while poller.poll(timeout_ms):
-                self._handle(self.sock.recv())
-                timeout_ms = 0
-            if self.engine.has_unfinished_requests:
-                self._step()
-        logger.info("decode worker %s stopping", self.worker_id)
-        heartbeats.join(timeout=2 * self.heartbeat_interval_s)
-        self.sock.close(0)
-        self.ctx.term()
+    def close(self) -> None:
+        if self.inbox is not None:
+            self.inbox.close()

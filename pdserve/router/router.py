@@ -1,12 +1,24 @@
-"""The router: owns the zmq socket to the workers, picks a worker per request, and
-demultiplexes each worker's step outputs into per-request streams.
+"""The router: owns the zmq socket to the workers, decides each request's route, runs the
+remote-prefill handshake, and demultiplexes workers' outputs into per-request streams.
 
 Runs inside the API server's asyncio loop. Public surface::
 
-    router = Router(address); await router.start()
+    router = Router(address, RoutingConfig(...)); await router.start()
     handle = router.add_request(request_id, prompt_token_ids, params)   # may raise
     async for delta in handle: ...      # RequestDelta objects until finished
     router.abort(request_id)            # e.g. client went away
+
+Routes (length-threshold policy): prompts shorter than ``prefill_threshold`` tokens go to
+the least-loaded decode worker, which prefills them itself (``local``); longer ones are
+prefilled by the least-loaded prefill worker and their KV pushed to a decode worker that
+reserved blocks first (``remote_prefill``); with no prefill worker alive they fall back to
+a decode worker (``fallback``). The handshake::
+
+    D <- ExpectRemoteKV         D -> KVReserved      (refused for capacity: retry, then 503)
+    P <- PrefillRequest(dest=D) P -> PrefillDone     (first token: streamed to the client)
+    D <- FirstToken             P -> KV ... -> D     (D joins the request to its batch)
+    failure (P dead, transfer error, D timeout): D <- ResumeLocally (policy "recompute")
+                                                  or the request fails (policy "fail")
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -22,19 +35,31 @@ from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (
     AbortRequests,
+    ExpectRemoteKV,
+    FirstToken,
     GenerateRequest,
     Heartbeat,
+    KVReserved,
+    KVReserveRefused,
+    KVSent,
+    KVTransferFailed,
     MessageCodec,
+    PrefillDone,
+    PrefillRequest,
     RegisterAck,
     RegisterWorker,
-    ReregisterRequest,
     RequestFailed,
+    ReregisterRequest,
+    ResumeLocally,
     ShutdownWorker,
     StepOutputs,
 )
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
 
 logger = logging.getLogger(__name__)
+
+#: Wait between attempts to reserve KV blocks on a decode worker that was full.
+RESERVE_RETRY_S = 0.05
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -46,7 +71,45 @@ class RequestRejected(ValueError):
 
 
 class WorkerFailed(RuntimeError):
-    """The worker serving a request died or failed internally (HTTP 500/503)."""
+    """The worker serving a request died or failed internally (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Routing policy.
+
+    Attributes:
+        prefill_threshold: prompts with at least this many tokens use a prefill worker.
+        kv_failure_policy: "recompute" (decode worker prefills itself) or "fail".
+        reserve_timeout_s: how long a request may wait for a decode worker to have blocks.
+
+    Raises:
+        ValueError: naming the field.
+    """
+
+    prefill_threshold: int = 512
+    kv_failure_policy: str = "recompute"
+    reserve_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_threshold < 1:
+            raise ValueError(f"prefill_threshold must be >= 1, got {self.prefill_threshold}")
+        if self.kv_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_failure_policy must be 'recompute' or 'fail', got "
+                             f"{self.kv_failure_policy!r}")
+
+
+@dataclass
+class RemotePrefill:
+    """Handshake state of one remote-prefill request."""
+
+    prefill_worker_id: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    started_s: float
+    first_token_id: int | None = None
+    is_kv_sent: bool = False
+    is_resumed: bool = False
 
 
 class RequestHandle:
@@ -55,9 +118,11 @@ class RequestHandle:
     Iteration raises :class:`RequestRejected` or :class:`WorkerFailed` on failure.
     """
 
-    def __init__(self, request_id: str, worker_id: str) -> None:
+    def __init__(self, request_id: str, worker_id: str, route: str = "local") -> None:
         self.request_id = request_id
-        self.worker_id = worker_id
+        self.worker_id = worker_id  # the decode worker
+        self.route = route
+        self.remote: RemotePrefill | None = None
         self.queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
         self.finished = False
 
@@ -77,18 +142,23 @@ class RequestHandle:
 
 
 class Router:
-    """Worker registry + request placement + output demultiplexing.
+    """Worker registry + routing + remote-prefill orchestration + output demultiplexing.
 
     Args:
         address: zmq address to bind (``tcp://127.0.0.1:5557``; port 0 picks a free one).
+        routing: the routing policy.
+        metrics: series to record routing and transfer events in (optional).
         heartbeat_interval_s: the period workers report at.
         max_missed_heartbeats: silence after which a worker is dead.
         max_num_inflight: requests in flight above which new ones get 503.
     """
 
-    def __init__(self, address: str, heartbeat_interval_s: float = 1.0,
-                 max_missed_heartbeats: int = 3, max_num_inflight: int = 1024) -> None:
+    def __init__(self, address: str, routing: RoutingConfig | None = None, metrics=None,
+                 heartbeat_interval_s: float = 1.0, max_missed_heartbeats: int = 3,
+                 max_num_inflight: int = 1024) -> None:
         self.bind_address = address
+        self.routing = routing or RoutingConfig()
+        self.metrics = metrics
         self.registry = WorkerRegistry(heartbeat_interval_s, max_missed_heartbeats)
         self.max_num_inflight = max_num_inflight
         self.codec = MessageCodec()
@@ -131,35 +201,179 @@ class Router:
     def alive_workers(self, role: str | None = None) -> list[WorkerInfo]:
         return self.registry.alive(role)
 
+    def _count(self, series: str, *labels: str, amount: float = 1.0) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, series).labels(self.metrics.model_name, *labels).inc(amount)
+
+    def _observe(self, series: str, value: float) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, series).labels(self.metrics.model_name).observe(value)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> RequestHandle:
-        """Send a request to the least-loaded decode worker.
+        """Route a request (see the module docstring).
 
         Raises:
-            NoWorkerAvailable: no alive worker, or the in-flight limit is reached.
+            NoWorkerAvailable: no alive decode worker, or the in-flight limit is reached.
         """
         if self.num_inflight >= self.max_num_inflight:
             raise NoWorkerAvailable(
                 f"server is at its limit of {self.max_num_inflight} requests in flight")
-        worker = self.registry.least_loaded("decode")
-        if worker is None:
+        decode = self.registry.least_loaded("decode")
+        if decode is None:
             raise NoWorkerAvailable("no decode worker is available")
-        handle = RequestHandle(request_id, worker.worker_id)
+        route = "local"
+        if len(prompt_token_ids) >= self.routing.prefill_threshold:
+            prefill = self.registry.least_loaded("prefill")
+            if prefill is not None and decode.info.kv_address:
+                route = "remote_prefill"
+            else:
+                route = "fallback"
+                logger.info("no prefill worker for %s (%d tokens); prefilling on %s",
+                            request_id, len(prompt_token_ids), decode.worker_id)
+        self._count("route_decisions", route)
+        handle = RequestHandle(request_id, decode.worker_id, route)
         self.handles[request_id] = handle
-        worker.inflight.add(request_id)
-        self._send(worker.worker_id, GenerateRequest(
-            request_id, list(prompt_token_ids), params, time.time()))
+        decode.inflight.add(request_id)
+        if route == "remote_prefill":
+            handle.remote = RemotePrefill(None, list(prompt_token_ids), params, time.monotonic())
+            self._send(decode.worker_id, ExpectRemoteKV(
+                request_id, list(prompt_token_ids), params, time.time()))
+        else:
+            self._send(decode.worker_id, GenerateRequest(
+                request_id, list(prompt_token_ids), params, time.time()))
         return handle
 
     def abort(self, request_id: str) -> None:
-        """Stop a request on its worker (no-op if it already finished)."""
+        """Stop a request on its workers (no-op if it already finished)."""
         handle = self.handles.pop(request_id, None)
         if handle is None:
             return
+        self._release(handle, abort=True)
+
+    def _release(self, handle: RequestHandle, abort: bool) -> None:
+        rid = handle.request_id
         worker = self.registry.workers.get(handle.worker_id)
         if worker is not None:
-            worker.inflight.discard(request_id)
-            self._send(worker.worker_id, AbortRequests([request_id]))
+            worker.inflight.discard(rid)
+            if abort:
+                self._send(worker.worker_id, AbortRequests([rid]))
+        remote = handle.remote
+        if remote is not None and remote.prefill_worker_id is not None:
+            pworker = self.registry.workers.get(remote.prefill_worker_id)
+            if pworker is not None:
+                pworker.inflight.discard(rid)
+                if abort and remote.first_token_id is None:
+                    self._send(pworker.worker_id, AbortRequests([rid]))
+
+    def _fail(self, handle: RequestHandle, exc: Exception) -> None:
+        self.handles.pop(handle.request_id, None)
+        handle.queue.put_nowait(exc)
+        self._release(handle, abort=True)
+
+    # -- remote prefill handshake --------------------------------------------------------
+    def _on_reserved(self, msg: KVReserved) -> None:
+        handle = self.handles.get(msg.request_id)
+        if handle is None or handle.remote is None:
+            return
+        decode = self.registry.workers.get(handle.worker_id)
+        prefill = self.registry.least_loaded("prefill")
+        remote = handle.remote
+        if prefill is None or decode is None:
+            self._count("route_decisions", "fallback")
+            self._resume_locally(handle, "no prefill worker alive")
+            return
+        remote.prefill_worker_id = prefill.worker_id
+        prefill.inflight.add(msg.request_id)
+        self._send(prefill.worker_id, PrefillRequest(
+            msg.request_id, remote.prompt_token_ids, remote.params, time.time(),
+            decode.worker_id, decode.info.kv_address))
+
+    def _on_refused(self, msg: KVReserveRefused) -> None:
+        handle = self.handles.get(msg.request_id)
+        if handle is None or handle.remote is None:
+            return
+        if not msg.is_capacity:
+            self._fail(handle, RequestRejected(msg.message))
+            return
+        if time.monotonic() - handle.remote.started_s > self.routing.reserve_timeout_s:
+            self._fail(handle, WorkerFailed(
+                "no decode worker could reserve KV blocks in time; retry later"))
+            return
+        asyncio.get_running_loop().call_later(RESERVE_RETRY_S, self._retry_reserve,
+                                              msg.request_id)
+
+    def _retry_reserve(self, request_id: str) -> None:
+        handle = self.handles.get(request_id)
+        if handle is None or handle.remote is None:
+            return
+        decode = self.registry.least_loaded("decode")
+        if decode is None:
+            self._fail(handle, WorkerFailed("no decode worker is available"))
+            return
+        old = self.registry.workers.get(handle.worker_id)
+        if old is not None:
+            old.inflight.discard(request_id)
+        handle.worker_id = decode.worker_id
+        decode.inflight.add(request_id)
+        remote = handle.remote
+        self._send(decode.worker_id, ExpectRemoteKV(
+            request_id, remote.prompt_token_ids, remote.params, time.time()))
+
+    def _on_prefill_done(self, msg: PrefillDone) -> None:
+        delta = msg.delta
+        handle = self.handles.get(delta.request_id)
+        if handle is None or handle.remote is None or handle.remote.is_resumed:
+            return
+        handle.remote.first_token_id = delta.new_token_ids[0]
+        self._observe("request_prefill_time", msg.prefill_time_s)
+        handle.queue.put_nowait(delta)
+        if delta.finished:  # the first token ends it: release D's reservation
+            self.handles.pop(delta.request_id, None)
+            self._release(handle, abort=True)
+            return
+        self._send(handle.worker_id, FirstToken(delta.request_id, delta.new_token_ids[0]))
+
+    def _on_kv_sent(self, msg: KVSent) -> None:
+        handle = self.handles.get(msg.request_id)
+        pworker = self.registry.workers.get(msg.worker_id)
+        if pworker is not None:
+            pworker.inflight.discard(msg.request_id)
+        if msg.error is not None:
+            self._count("kv_transfer_failures", "send_error")
+            if handle is not None and handle.remote is not None:
+                self._kv_failed(handle, f"KV send failed: {msg.error}")
+            return
+        self._count("kv_transfer_bytes", amount=msg.num_bytes)
+        self._observe("kv_transfer_seconds", msg.seconds)
+        if handle is not None and handle.remote is not None:
+            handle.remote.is_kv_sent = True
+
+    def _on_kv_failed(self, msg: KVTransferFailed) -> None:
+        self._count("kv_transfer_failures", msg.reason)
+        handle = self.handles.get(msg.request_id)
+        if handle is not None and handle.remote is not None:
+            self._kv_failed(handle, f"KV transfer failed ({msg.reason})")
+
+    def _kv_failed(self, handle: RequestHandle, why: str) -> None:
+        if self.routing.kv_failure_policy == "fail":
+            self._fail(handle, WorkerFailed(why))
+            return
+        self._resume_locally(handle, why)
+
+    def _resume_locally(self, handle: RequestHandle, why: str) -> None:
+        """Policy "recompute": the decode worker prefills itself, after the tokens the
+        client already has."""
+        remote = handle.remote
+        if remote is None or remote.is_resumed:
+            return
+        remote.is_resumed = True
+        logger.warning("%s: %s; recomputing the prefill on %s", handle.request_id, why,
+                       handle.worker_id)
+        if remote.prefill_worker_id is not None and remote.first_token_id is None:
+            self._send(remote.prefill_worker_id, AbortRequests([handle.request_id]))
+        outputs = [] if remote.first_token_id is None else [remote.first_token_id]
+        self._send(handle.worker_id, ResumeLocally(handle.request_id, outputs))
 
     # -- socket --------------------------------------------------------------------------
     def _send(self, worker_id: str, msg) -> None:
@@ -177,47 +391,59 @@ class Router:
             except Exception as exc:
                 logger.warning("dropping malformed message from %r: %s", identity, exc)
                 continue
-            self._dispatch(msg)
+            try:
+                self._dispatch(msg)
+            except Exception:  # a bad message must not stop the router
+                logger.exception("failed to handle %s", type(msg).__name__)
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, StepOutputs):
             self.registry.touch(msg.worker_id)
-            worker = self.registry.workers.get(msg.worker_id)
             for delta in msg.deltas:
                 handle = self.handles.get(delta.request_id)
                 if handle is None:
                     continue  # aborted meanwhile
                 handle.queue.put_nowait(delta)
                 if delta.finished:
-                    self._forget(delta.request_id, worker)
+                    self.handles.pop(delta.request_id, None)
+                    self._release(handle, abort=False)
         elif isinstance(msg, Heartbeat):
             if self.registry.heartbeat(msg) is None:
                 self._send(msg.worker_id, ReregisterRequest())
+        elif isinstance(msg, PrefillDone):
+            self._on_prefill_done(msg)
+        elif isinstance(msg, KVReserved):
+            self._on_reserved(msg)
+        elif isinstance(msg, KVReserveRefused):
+            self._on_refused(msg)
+        elif isinstance(msg, KVSent):
+            self._on_kv_sent(msg)
+        elif isinstance(msg, KVTransferFailed):
+            self._on_kv_failed(msg)
         elif isinstance(msg, RequestFailed):
             handle = self.handles.get(msg.request_id)
             if handle is not None:
                 exc = (RequestRejected(msg.message) if msg.is_client_error
                        else WorkerFailed(msg.message))
-                handle.queue.put_nowait(exc)
-                self._forget(msg.request_id, self.registry.workers.get(handle.worker_id))
+                self._fail(handle, exc)
         elif isinstance(msg, RegisterWorker):
             self.registry.register(msg)
             self._send(msg.worker_id, RegisterAck(self.registry.heartbeat_interval_s))
             logger.info("worker %s (%s, pid %d) registered", msg.worker_id, msg.role, msg.pid)
             self.worker_registered.set()
 
-    def _forget(self, request_id: str, worker: WorkerInfo | None) -> None:
-        self.handles.pop(request_id, None)
-        if worker is not None:
-            worker.inflight.discard(request_id)
-
     async def _liveness_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.registry.heartbeat_interval_s / 2)
+            await asyncio.sleep(self.registry.heartbeat_interval_s / 4)
             for worker in self.registry.remove_dead():
-                logger.warning("worker %s missed its heartbeats; dropping it", worker.worker_id)
-                for rid in list(worker.inflight):
-                    handle = self.handles.pop(rid, None)
-                    if handle is not None:
-                        handle.queue.put_nowait(
-                            WorkerFailed(f"worker {worker.worker_id} stopped responding"))
+                logger.warning("worker %s (%s) missed its heartbeats; dropping it",
+                               worker.worker_id, worker.info.role)
+                for handle in list(self.handles.values()):
+                    remote = handle.remote
+                    if handle.worker_id == worker.worker_id:
+                        self._fail(handle, WorkerFailed(
+                            f"worker {worker.worker_id} stopped responding"))
+                    elif (remote is not None and remote.prefill_worker_id == worker.worker_id
+                          and not remote.is_kv_sent):
+                        self._count("kv_transfer_failures", "prefill_worker_died")
+                        self._kv_failed(handle, f"prefill worker {worker.worker_id} died")

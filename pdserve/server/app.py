@@ -108,7 +108,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.router.alive_workers():
+        if state.router.alive_workers("decode"):
             return Response(status_code=200)
         return JSONResponse(error_body("no worker is registered and alive",
                                        "service_unavailable"), status_code=503)
@@ -120,6 +120,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         workers = state.router.alive_workers()
+        state.metrics.set_worker_load(workers)
+        workers = [w for w in workers if w.info.role == "decode"]
         loads = [w.load for w in workers if w.load is not None]
         usage = max((lo.kv_cache_usage for lo in loads), default=0.0)
         state.metrics.set_load(sum(lo.num_running for lo in loads),

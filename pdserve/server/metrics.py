@@ -56,6 +56,48 @@ class ServerMetrics:
             "Histogram of time spent waiting for a worker slot, in seconds.", lbl,
             buckets=_E2E_BUCKETS_S, registry=r)
 
+        self.route_decisions = Counter(
+            "pdserve:route_decisions", "Routing decisions (local, remote_prefill, fallback).",
+            lbl + ["route"], registry=r)
+        self.kv_transfer_bytes = Counter(
+            "pdserve:kv_transfer_bytes", "KV bytes pushed from prefill to decode workers.", lbl,
+            registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "pdserve:kv_transfer_seconds", "Time to push one request's KV, in seconds.", lbl,
+            buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_transfer_failures = Counter(
+            "pdserve:kv_transfer_failures", "Failed KV transfers by reason.", lbl + ["reason"],
+            registry=r)
+        self.request_prefill_time = Histogram(
+            "pdserve:request_prefill_time_seconds",
+            "Time from a prefill worker taking a request to its first token, in seconds.", lbl,
+            buckets=_LATENCY_BUCKETS_S, registry=r)
+        wl = lbl + ["worker_id", "role"]
+        self.worker_up = Gauge("pdserve:worker_up", "1 while a worker is alive.", wl, registry=r)
+        self.worker_num_requests_running = Gauge(
+            "pdserve:worker_num_requests_running", "Requests running on each worker.", wl,
+            registry=r)
+        self.worker_kv_cache_usage_perc = Gauge(
+            "pdserve:worker_kv_cache_usage_perc", "KV-cache usage of each worker.", wl,
+            registry=r)
+        self.worker_requests_served = Gauge(
+            "pdserve:worker_requests_served", "Requests each worker reports it finished "
+            "(prefills for prefill workers).", wl, registry=r)
+
+    def set_worker_load(self, workers) -> None:
+        """Per-worker gauges from the registry's alive workers (``WorkerInfo`` objects)."""
+        m = self.model_name
+        for g in (self.worker_up, self.worker_num_requests_running,
+                  self.worker_kv_cache_usage_perc, self.worker_requests_served):
+            g.clear()
+        for w in workers:
+            key = (m, w.worker_id, w.info.role)
+            self.worker_up.labels(*key).set(1)
+            if w.load is not None:
+                self.worker_num_requests_running.labels(*key).set(w.load.num_running)
+                self.worker_kv_cache_usage_perc.labels(*key).set(w.load.kv_cache_usage)
+                self.worker_requests_served.labels(*key).set(w.load.num_requests_served)
+
     def set_load(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         m = self.model_name
         self.num_requests_running.labels(m).set(num_running)

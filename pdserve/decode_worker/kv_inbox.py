@@ -1,0 +1,114 @@
+"""Receiving side of pushed KV: a thread that takes messages off the transport, verifies
+them, dequantizes into the cache dtype and assembles each request's layers.
+
+The engine's cache is only written by the worker's main thread
+(:meth:`LLMEngine.complete_remote_prefill`), so an abort racing a transfer can never make
+this thread write into blocks that were handed to another request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError, KVTransferTimeout
+from pdserve.kvtransfer.transport import KVReceiverConfig, create_transport
+
+logger = logging.getLogger(__name__)
+
+#: Largest single KV message accepted (senders split a request's layers to stay below it).
+MAX_KV_MESSAGE_BYTES = 64 * 1024 * 1024
+#: How long the receive call waits before checking whether to stop.
+RECV_POLL_S = 0.1
+
+
+class KVInbox:
+    """Receives KV messages on its own thread; results come out of :attr:`ready`.
+
+    Args:
+        transport_name: a registered transport ("zmq", "ucx", "inproc").
+        num_layers: layers of the model (a request is complete when all have arrived).
+        cache_dtype: dtype the KV is dequantized to.
+        stale_after_s: partial requests not touched this long are dropped.
+
+    ``ready`` yields ``(request_id, kv)`` with ``kv`` a
+    ``[num_layers, 2, num_blocks, block_size, H, D]`` tensor, or ``(request_id, reason)``
+    with ``reason`` "checksum" or "format" when a message was bad.
+    """
+
+    def __init__(self, transport_name: str, num_layers: int, cache_dtype: torch.dtype,
+                 stale_after_s: float = 30.0) -> None:
+        self.transport = create_transport(transport_name)
+        self.receiver = self.transport.create_receiver(
+            KVReceiverConfig(max_message_bytes=MAX_KV_MESSAGE_BYTES, num_buffers=2))
+        self.address = self.receiver.address
+        self.num_layers = num_layers
+        self.cache_dtype = cache_dtype
+        self.stale_after_s = stale_after_s
+        self.ready: queue.Queue[tuple[str, torch.Tensor | str]] = queue.Queue()
+        self.num_bytes_received = 0
+        self._partial: dict[str, tuple[torch.Tensor, int, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-inbox", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self.receiver.recv(timeout_s=RECV_POLL_S)
+            except KVTransferTimeout:
+                self._drop_stale()
+                continue
+            except Exception:
+                if self._stop.is_set():
+                    return
+                logger.exception("KV receive failed")
+                continue
+            with msg:
+                rid = msg.header.request_id
+                try:
+                    decoded = msg.decode()
+                    self._add(rid, decoded)
+                except KVChecksumError:
+                    logger.warning("KV for %s failed its checksum", rid)
+                    self._partial.pop(rid, None)
+                    self.ready.put((rid, "checksum"))
+                except (KVFormatError, ValueError) as exc:
+                    logger.warning("bad KV message for %s: %s", rid, exc)
+                    self._partial.pop(rid, None)
+                    self.ready.put((rid, "format"))
+
+    def _add(self, rid: str, decoded) -> None:
+        h = decoded.header
+        self.num_bytes_received += h.payload_bytes + h.scale_bytes
+        entry = self._partial.get(rid)
+        if entry is None:
+            shape = (self.num_layers, 2, h.num_blocks, h.block_size, h.num_kv_heads, h.head_dim)
+            entry = (torch.empty(shape, dtype=self.cache_dtype), 0, time.monotonic())
+        full, num_done, _ = entry
+        if full.shape[2:] != decoded.values.shape[2:] or h.layer_end > self.num_layers:
+            raise KVFormatError(f"message shape {tuple(decoded.values.shape)} does not match "
+                                f"the request's {tuple(full.shape)}")
+        full[h.layer_start:h.layer_end] = decoded.to_dtype(self.cache_dtype)
+        num_done += h.layer_end - h.layer_start
+        if num_done >= self.num_layers:
+            self._partial.pop(rid, None)
+            self.ready.put((rid, full))
+        else:
+            self._partial[rid] = (full, num_done, time.monotonic())
+
+    def _drop_stale(self) -> None:
+        now = time.monotonic()
+        for rid, (_, _, touched) in list(self._partial.items()):
+            if now - touched > self.stale_after_s:
+                del self._partial[rid]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self.receiver.close()
+        self.transport.close()

@@ -1,0 +1,106 @@
+"""Sending side of pushed KV: a thread that encodes (FP8 or native) and pushes each finished
+prefill's blocks to its decode worker, over connections set up once per destination."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pdserve.decode_worker.kv_inbox import MAX_KV_MESSAGE_BYTES
+from pdserve.kvtransfer.transport import KVSender, create_transport
+from pdserve.kvtransfer.wire import encode_kv
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVJob:
+    """One request's KV to push.
+
+    Attributes:
+        kv: ``[num_layers, 2, num_blocks, block_size, H, D]`` copy of the prompt's blocks.
+    """
+
+    request_id: str
+    kv: torch.Tensor
+    num_tokens: int
+    dest_address: str
+
+
+def layers_per_message(kv: torch.Tensor, use_fp8: bool) -> int:
+    """How many layers fit one message under :data:`MAX_KV_MESSAGE_BYTES`."""
+    per_layer = kv[0].numel() * (1 if use_fp8 else kv.element_size())
+    return max(1, min(kv.shape[0], MAX_KV_MESSAGE_BYTES // max(per_layer, 1)))
+
+
+class KVSenderThread:
+    """Pushes :class:`KVJob` objects in order; reports each with ``on_done``.
+
+    Args:
+        transport_name: a registered transport.
+        use_fp8: quantize to FP8 e4m3 with per-(layer, K/V, block, head) scales.
+        timeout_s: deadline for one message.
+        on_done: ``(request_id, num_bytes, seconds, error or None)``, called on this thread.
+    """
+
+    def __init__(self, transport_name: str, use_fp8: bool, timeout_s: float,
+                 on_done: Callable[[str, int, float, str | None], None]) -> None:
+        self.transport = create_transport(transport_name)
+        self.use_fp8 = use_fp8
+        self.timeout_s = timeout_s
+        self.on_done = on_done
+        self.jobs: queue.Queue[KVJob | None] = queue.Queue()
+        self._senders: dict[str, KVSender] = {}
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: KVJob) -> None:
+        self.jobs.put(job)
+
+    def _sender(self, address: str) -> KVSender:
+        sender = self._senders.get(address)
+        if sender is None:
+            sender = self.transport.create_sender(address, timeout_s=self.timeout_s)
+            self._senders[address] = sender
+        return sender
+
+    def _push(self, job: KVJob) -> int:
+        num_bytes = 0
+        step = layers_per_message(job.kv, self.use_fp8)
+        for start in range(0, job.kv.shape[0], step):
+            enc = encode_kv(job.request_id, job.kv[start:start + step], layer_start=start,
+                            num_tokens=job.num_tokens, use_fp8=self.use_fp8)
+            self._sender(job.dest_address).send(enc.header, enc.buffers,
+                                                timeout_s=self.timeout_s)
+            num_bytes += enc.header.payload_bytes + enc.header.scale_bytes
+        return num_bytes
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            start = time.monotonic()
+            try:
+                num_bytes = self._push(job)
+            except Exception as exc:
+                logger.warning("KV push of %s failed: %s", job.request_id, exc)
+                sender = self._senders.pop(job.dest_address, None)
+                if sender is not None:  # a timed-out sender may still read our buffers
+                    sender.close()
+                self.on_done(job.request_id, 0, time.monotonic() - start, str(exc) or "error")
+                continue
+            self.on_done(job.request_id, num_bytes, time.monotonic() - start, None)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self._thread.join(timeout=5.0)
+        for sender in self._senders.values():
+            sender.close()
+        self.transport.close()

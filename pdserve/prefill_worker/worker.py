@@ -1,0 +1,94 @@
+"""Prefill worker: batched, chunked prefill in the shared engine; returns each request's
+first token to the router at once (the TTFT clients see), then pushes its KV to the
+decode worker that reserved blocks for it.
+
+A request's blocks are copied out and freed as soon as its prefill finishes, so this worker
+holds cache memory only while computing; the copy is what the sender thread pushes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestDelta
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import KVSent, PrefillDone, PrefillRequest, RequestFailed
+from pdserve.prefill_worker.kv_sender import KVJob, KVSenderThread
+from pdserve.worker_base import EngineWorker
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker(EngineWorker):
+    """See the module docstring.
+
+    Args:
+        kv_transport: transport name used to push KV.
+        kv_transfer_dtype: "fp8" (e4m3 with scales) or "auto" (the cache dtype, exact).
+        kv_transfer_timeout_s: deadline for one KV message.
+    """
+
+    role = "prefill"
+
+    def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
+                 model_name: str, heartbeat_interval_s: float = 1.0,
+                 kv_transport: str = "zmq", kv_transfer_dtype: str = "fp8",
+                 kv_transfer_timeout_s: float = 10.0) -> None:
+        super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s)
+        if kv_transfer_dtype not in ("fp8", "auto"):
+            raise ValueError(f"kv_transfer_dtype must be 'fp8' or 'auto', got "
+                             f"{kv_transfer_dtype!r}")
+        self.sender = KVSenderThread(kv_transport, kv_transfer_dtype == "fp8",
+                                     kv_transfer_timeout_s, self._on_sent)
+        self.pending: dict[str, tuple[PrefillRequest, float]] = {}
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, PrefillRequest):
+            try:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids,
+                                        msg.sampling_params, msg.arrival_time, export_kv=True)
+            except ValueError as exc:
+                self.send(RequestFailed(msg.request_id, str(exc)))
+                return
+            self.pending[msg.request_id] = (msg, time.monotonic())
+        else:
+            super().handle(msg)
+
+    def abort(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+        super().abort(request_id)
+
+    def after_step(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            entry = self.pending.pop(delta.request_id, None)
+            kv = self.engine.pop_exported_kv(delta.request_id)
+            if entry is None:
+                continue
+            msg, start = entry
+            is_natural_end = _first_token_ends_request(delta, msg.sampling_params)
+            first = RequestDelta(
+                request_id=delta.request_id, new_token_ids=delta.new_token_ids,
+                new_logprobs=delta.new_logprobs,
+                finish_reason=delta.finish_reason if is_natural_end else None,
+                num_prompt_tokens=delta.num_prompt_tokens,
+                num_cached_tokens=delta.num_cached_tokens, queue_time_s=delta.queue_time_s)
+            self.send(PrefillDone(self.worker_id, first, time.monotonic() - start))
+            self.num_requests_served += 1
+            if not is_natural_end and kv is not None:
+                self.sender.submit(KVJob(delta.request_id, kv, len(msg.prompt_token_ids),
+                                         msg.dest_kv_address))
+
+    def _on_sent(self, request_id: str, num_bytes: int, seconds: float,
+                 error: str | None) -> None:
+        self.send(KVSent(self.worker_id, request_id, num_bytes, seconds, error))
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def _first_token_ends_request(delta: RequestDelta, params: SamplingParams) -> bool:
+    """Whether the request ends with its first token under its real parameters (the engine
+    ran it with max_tokens=1, so "length" alone says nothing)."""
+    return delta.finish_reason == "stop" or params.max_tokens == 1

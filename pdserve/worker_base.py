@@ -1,0 +1,192 @@
+"""What decode and prefill workers share: the router connection, registration, heartbeats
+from their own thread, and the engine loop that never blocks on a socket while busy."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import zmq
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.messages import (
+    AbortRequests,
+    Heartbeat,
+    MessageCodec,
+    RegisterAck,
+    RegisterWorker,
+    RequestFailed,
+    ReregisterRequest,
+    ShutdownWorker,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Re-send the registration this often until the router acknowledges it.
+REGISTER_RETRY_S = 1.0
+#: Longest idle wait on the sockets, so periodic checks (deadlines) still run.
+IDLE_POLL_S = 0.05
+
+
+class EngineWorker:
+    """Base of the worker processes.
+
+    Subclasses set ``role`` and implement :meth:`handle` for their own messages, and may
+    override :meth:`poll_extra` (other work each loop) and :meth:`after_step`.
+
+    Args:
+        engine: the loaded engine.
+        router_address: zmq address of the router's ROUTER socket.
+        worker_id: unique name; the zmq identity.
+        model_name: served model name reported to the router.
+        heartbeat_interval_s: load report period.
+    """
+
+    role = "decode"
+
+    def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
+                 model_name: str, heartbeat_interval_s: float = 1.0) -> None:
+        self.engine = engine
+        self.router_address = router_address
+        self.worker_id = worker_id
+        self.model_name = model_name
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.codec = MessageCodec()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(router_address)
+        self.send_lock = threading.Lock()
+        self.is_registered = False
+        self.should_stop = False
+        self.num_requests_served = 0
+
+    # -- overridable -----------------------------------------------------------------------
+    def registration_extras(self) -> dict:
+        return {}
+
+    def handle(self, msg) -> None:
+        """Role-specific messages."""
+        logger.warning("unexpected message %s", type(msg).__name__)
+
+    def poll_extra(self) -> None:
+        """Called once per loop iteration (after draining the socket)."""
+
+    def after_step(self, deltas) -> None:
+        """Called with each step's deltas."""
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests
+
+    # -- plumbing --------------------------------------------------------------------------
+    def send(self, msg) -> None:
+        """Send to the router (thread-safe: worker threads may report too)."""
+        with self.send_lock:
+            self.sock.send(self.codec.encode(msg), copy=False)
+
+    def _register(self) -> None:
+        self.send(RegisterWorker(
+            worker_id=self.worker_id, role=self.role, model_name=self.model_name,
+            max_model_len=self.engine.max_model_len, block_size=self.engine.config.block_size,
+            num_kv_blocks=self.engine.block_manager.num_blocks, pid=os.getpid(),
+            **self.registration_extras(),
+        ))
+
+    def load(self) -> Heartbeat:
+        """A snapshot of the engine's load (plain counters, safe to read from a thread)."""
+        bm = self.engine.block_manager
+        sched = self.engine.scheduler
+        return Heartbeat(
+            worker_id=self.worker_id, num_running=sched.num_running,
+            num_waiting=sched.num_waiting, num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=bm.usage, num_preemptions=sched.num_preemptions,
+            num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            num_prefix_queried_tokens=bm.num_prefix_queried_tokens,
+            num_requests_served=self.num_requests_served,
+        )
+
+    def _heartbeat_loop(self) -> None:
+        """Thread: report load every ``heartbeat_interval_s`` on a socket of its own, so a
+        long engine step never makes the worker look dead."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.router_address)
+        codec = MessageCodec()
+        try:
+            while not self.should_stop:
+                if self.is_registered:
+                    sock.send(codec.encode(self.load()))
+                time.sleep(self.heartbeat_interval_s)
+        finally:
+            sock.close(0)
+
+    def _handle_raw(self, data: bytes) -> None:
+        try:
+            msg = self.codec.decode_to_worker(data)
+        except Exception as exc:  # malformed bytes must not kill the worker
+            logger.warning("dropping malformed message: %s", exc)
+            return
+        if isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                self.abort(rid)
+        elif isinstance(msg, RegisterAck):
+            self.is_registered = True
+            self.heartbeat_interval_s = msg.heartbeat_interval_s
+        elif isinstance(msg, ReregisterRequest):
+            self.is_registered = False
+        elif isinstance(msg, ShutdownWorker):
+            self.should_stop = True
+        else:
+            self.handle(msg)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception:  # an engine bug fails the batch, not the worker
+            logger.exception("engine step failed; failing its requests")
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+                self.send(RequestFailed(rid, "internal engine error", is_client_error=False))
+            return
+        self.after_step(deltas)
+
+    def run(self) -> None:
+        """Serve until SIGTERM/SIGINT or a :class:`ShutdownWorker` message."""
+        def _stop(signum, frame):  # noqa: ARG001
+            self.should_stop = True
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        heartbeats.start()
+        last_register = 0.0
+        while not self.should_stop:
+            now = time.monotonic()
+            if not self.is_registered and now - last_register >= REGISTER_RETRY_S:
+                self._register()
+                last_register = now
+            timeout_ms = 0 if self.engine.has_unfinished_requests else int(IDLE_POLL_S * 1000)
+            while poller.poll(timeout_ms):
+                self._handle_raw(self.sock.recv())
+                timeout_ms = 0
+            self.poll_extra()
+            if self.engine.has_unfinished_requests:
+                self._step()
+        logger.info("%s worker %s stopping", self.role, self.worker_id)
+        self.close()
+        heartbeats.join(timeout=2 * self.heartbeat_interval_s)
+        self.sock.close(0)
+        self.ctx.term()
+
+    def close(self) -> None:
+        """Release role-specific resources (transports, threads)."""
