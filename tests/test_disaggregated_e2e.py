@@ -117,6 +117,7 @@ def test_routing_by_threshold_counted_by_the_workers(disagg_bf16):
     assert delta("local") == 3 and delta("remote_prefill") == 2 and delta("fallback") == 0
 
 
+@pytest.mark.slow
 def test_fp8_kv_keeps_greedy_tokens_for_nine_of_ten_prompts(colocated):
     srv = ServerProcess("--kv-transfer-dtype", "fp8", colocated=False)
     try:
@@ -148,6 +149,7 @@ def _prefill_pids(server_pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_killed_prefill_worker_is_dropped_and_requests_recompute(colocated):
     router_port = free_port()
     srv = ServerProcess("--router-address", f"tcp://127.0.0.1:{router_port}",
@@ -192,6 +194,7 @@ def test_killed_prefill_worker_is_dropped_and_requests_recompute(colocated):
         assert all(not pid_alive(p.pid) for p in extra)
 
 
+@pytest.mark.slow
 def test_mixed_load_two_prefill_one_decode_no_leaks():
     srv = ServerProcess("--num-prefill", "2", "--kv-transfer-dtype", "fp8", colocated=False)
     try:
