@@ -7,7 +7,8 @@ Remote prefill, decode side (see ARCHITECTURE.md, "push into reserved blocks")::
     P ──KV (FP8/native)──► KVInbox thread (verify, dequantize)  ┐
     router: FirstToken ───────────────────────────────────────┤ both here?
                                                                └► write blocks, join batch
-    no KV within --kv-transfer-timeout, or a bad checksum ──► KVTransferFailed to router,
+    no KV within --kv-transfer-timeout of the first token, or a bad checksum
+                                                     ──► KVTransferFailed to router,
     which answers ResumeLocally (recompute here) or aborts (policy "fail").
 """
 
@@ -45,6 +46,7 @@ class ParkedRequest:
     reserved_s: float
     kv: torch.Tensor | None = None
     first_token_id: int | None = None
+    first_token_s: float | None = None  # when the prefill finished: the transfer's start
     is_failure_reported: bool = False
 
 
@@ -53,7 +55,7 @@ class DecodeWorker(EngineWorker):
 
     Args:
         kv_transport: transport name for receiving KV, or None to accept no remote prefill.
-        kv_transfer_timeout_s: deadline from reservation to a complete KV.
+        kv_transfer_timeout_s: deadline from the first token (end of prefill) to a complete KV.
     """
 
     role = "decode"
@@ -87,6 +89,7 @@ class DecodeWorker(EngineWorker):
             parked = self.parked.get(msg.request_id)
             if parked is not None:
                 parked.first_token_id = msg.token_id
+                parked.first_token_s = time.monotonic()
                 self._try_complete(msg.request_id)
         elif isinstance(msg, ResumeLocally):
             if self.parked.pop(msg.request_id, None) is not None:
@@ -117,7 +120,7 @@ class DecodeWorker(EngineWorker):
         except ValueError as exc:
             logger.warning("KV for %s does not fit: %s", rid, exc)
             self.parked[rid] = ParkedRequest(parked.reserved_s, None, parked.first_token_id,
-                                             True)
+                                             parked.first_token_s, True)
             self.send(KVTransferFailed(self.worker_id, rid, "format"))
 
     def poll_extra(self) -> None:
@@ -136,10 +139,14 @@ class DecodeWorker(EngineWorker):
                 else:
                     parked.kv = item
                     self._try_complete(rid)
+        # The deadline runs from the end of the prefill (the first token's arrival): the
+        # prefill itself may take long on a busy prefill worker, whose death the router's
+        # heartbeats catch.
         now = time.monotonic()
         for rid, parked in self.parked.items():
             if (parked.kv is None and not parked.is_failure_reported
-                    and now - parked.reserved_s > self.kv_transfer_timeout_s):
+                    and parked.first_token_s is not None
+                    and now - parked.first_token_s > self.kv_transfer_timeout_s):
                 parked.is_failure_reported = True
                 self.send(KVTransferFailed(self.worker_id, rid, "timeout"))
 

@@ -13,13 +13,15 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, TypeVar
 
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import RequestHandle, Router
 from pdserve.server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.server.metrics import ServerMetrics
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -39,6 +41,40 @@ class ChoiceEvent:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Interleave several async iterators as items arrive.
+
+    The first exception of any stream is raised to the consumer; leaving early (or an
+    exception) cancels every stream's pump task.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait(item)
+            queue.put_nowait(done)
+        except BaseException as exc:  # surfaced to the consumer below
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass
@@ -73,31 +109,13 @@ class Generation:
         return sum(c.num_tokens for c in self.choices)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
-        queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
-
-        async def pump(index: int) -> None:
-            try:
-                async for ev in self._choice_events(index):
-                    queue.put_nowait(ev)
-                queue.put_nowait(None)
-            except BaseException as exc:  # surfaced to the consumer below
-                queue.put_nowait(exc)
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.choices))]
+        """All choices' events, interleaved as they arrive; aborts leftovers on exit."""
         try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
+            async for ev in merge_streams([self._choice_events(i)
+                                           for i in range(len(self.choices))]):
+                yield ev
             self._record_success()
         finally:
-            for t in tasks:
-                t.cancel()
             for c in self.choices:
                 if not c.done:
                     self.router.abort(c.handle.request_id)

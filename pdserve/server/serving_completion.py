@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import AsyncIterator
 
@@ -10,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.server.errors import APIError
-from pdserve.server.generation import ChoiceEvent, Generation
+from pdserve.server.generation import ChoiceEvent, Generation, merge_streams
 from pdserve.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -72,32 +71,14 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offset: int =
 
 async def _merged(gens: list[Generation], n: int) -> AsyncIterator[ChoiceEvent]:
     """Events of several prompts' generations; choice index = prompt_index * n + j."""
-    queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(k: int, gen: Generation) -> None:
-        try:
-            async for ev in gen.events():
-                ev.index += k * n
-                queue.put_nowait(ev)
-            queue.put_nowait(None)
-        except BaseException as exc:
-            queue.put_nowait(exc)
+    async def offset(k: int, gen: Generation) -> AsyncIterator[ChoiceEvent]:
+        async for ev in gen.events():
+            ev.index += k * n
+            yield ev
 
-    tasks = [asyncio.create_task(pump(k, g)) for k, g in enumerate(gens)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async for ev in merge_streams([offset(k, g) for k, g in enumerate(gens)]):
+        yield ev
 
 
 def _usage(gens: list[Generation]) -> UsageInfo:
