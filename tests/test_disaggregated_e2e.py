@@ -224,3 +224,40 @@ def test_mixed_load_two_prefill_one_decode_no_leaks():
         assert m["pdserve:route_decisions_total{route=remote_prefill}"] == 10
     finally:
         srv.stop()
+
+
+def _decode_pids(server_pid: int) -> list[int]:
+    return [pid for pid in child_pids(server_pid)
+            if b"decode-worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+def test_requests_on_a_killed_decode_worker_are_retried_elsewhere():
+    srv = ServerProcess("--num-prefill", "0", "--num-decode", "2", colocated=False)
+    try:
+        wait_workers(srv, "decode", 2)
+        victim = _decode_pids(srv.proc.pid)[0]
+
+        async def go():
+            async with httpx.AsyncClient(timeout=300) as http:
+                async def one(i: int) -> int:
+                    body = {"model": MODEL, "prompt": long_prompt(500 + i, min_words=1100),
+                            "max_tokens": 4, "temperature": 0}
+                    r = await http.post(f"{srv.base_url}/completions", json=body)
+                    return r.status_code
+
+                async def killer() -> None:
+                    await asyncio.sleep(0.5)  # requests placed, prefills under way
+                    os.kill(victim, signal.SIGKILL)
+
+                codes, _ = await asyncio.gather(
+                    asyncio.gather(*(one(i) for i in range(6))), killer())
+                return codes
+
+        codes = asyncio.run(go())
+        assert codes == [200] * 6
+        m = metrics(srv)
+        assert m["pdserve:request_retries_total{}"] >= 1
+        assert num_workers_up(srv, "decode") == 1
+    finally:
+        srv.stop()

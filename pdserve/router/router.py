@@ -118,10 +118,16 @@ class RequestHandle:
     Iteration raises :class:`RequestRejected` or :class:`WorkerFailed` on failure.
     """
 
-    def __init__(self, request_id: str, worker_id: str, route: str = "local") -> None:
+    def __init__(self, request_id: str, worker_id: str, route: str = "local",
+                 prompt_token_ids: list[int] | None = None,
+                 params: SamplingParams | None = None) -> None:
         self.request_id = request_id
         self.worker_id = worker_id  # the decode worker
         self.route = route
+        self.prompt_token_ids = prompt_token_ids or []
+        self.params = params
+        self.num_deltas = 0  # deltas handed to the consumer (a retry is safe while 0)
+        self.is_retried = False
         self.remote: RemotePrefill | None = None
         self.queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
         self.finished = False
@@ -232,7 +238,8 @@ class Router:
                 logger.info("no prefill worker for %s (%d tokens); prefilling on %s",
                             request_id, len(prompt_token_ids), decode.worker_id)
         self._count("route_decisions", route)
-        handle = RequestHandle(request_id, decode.worker_id, route)
+        handle = RequestHandle(request_id, decode.worker_id, route, list(prompt_token_ids),
+                               params)
         self.handles[request_id] = handle
         decode.inflight.add(request_id)
         if route == "remote_prefill":
@@ -328,6 +335,7 @@ class Router:
         handle.remote.first_token_id = delta.new_token_ids[0]
         self._observe("request_prefill_time", msg.prefill_time_s)
         handle.queue.put_nowait(delta)
+        handle.num_deltas += 1
         if delta.finished:  # the first token ends it: release D's reservation
             self.handles.pop(delta.request_id, None)
             self._release(handle, abort=True)
@@ -375,6 +383,30 @@ class Router:
         outputs = [] if remote.first_token_id is None else [remote.first_token_id]
         self._send(handle.worker_id, ResumeLocally(handle.request_id, outputs))
 
+    def _retry_elsewhere(self, handle: RequestHandle) -> bool:
+        """Re-place a request whose decode worker died, once, if the client has seen no
+        token of it yet (so nothing is duplicated); it then runs as a local request."""
+        if handle.is_retried or handle.num_deltas or handle.params is None:
+            return False
+        decode = self.registry.least_loaded("decode")
+        if decode is None:
+            return False
+        remote = handle.remote
+        if remote is not None and remote.prefill_worker_id is not None:
+            pworker = self.registry.workers.get(remote.prefill_worker_id)
+            if pworker is not None:
+                pworker.inflight.discard(handle.request_id)
+                self._send(pworker.worker_id, AbortRequests([handle.request_id]))
+        handle.is_retried = True
+        handle.remote = None
+        handle.worker_id = decode.worker_id
+        decode.inflight.add(handle.request_id)
+        self._count("request_retries")
+        logger.warning("retrying %s on %s", handle.request_id, decode.worker_id)
+        self._send(decode.worker_id, GenerateRequest(
+            handle.request_id, handle.prompt_token_ids, handle.params, time.time()))
+        return True
+
     # -- socket --------------------------------------------------------------------------
     def _send(self, worker_id: str, msg) -> None:
         try:
@@ -404,6 +436,7 @@ class Router:
                 if handle is None:
                     continue  # aborted meanwhile
                 handle.queue.put_nowait(delta)
+                handle.num_deltas += 1
                 if delta.finished:
                     self.handles.pop(delta.request_id, None)
                     self._release(handle, abort=False)
@@ -441,8 +474,9 @@ class Router:
                 for handle in list(self.handles.values()):
                     remote = handle.remote
                     if handle.worker_id == worker.worker_id:
-                        self._fail(handle, WorkerFailed(
-                            f"worker {worker.worker_id} stopped responding"))
+                        if not self._retry_elsewhere(handle):
+                            self._fail(handle, WorkerFailed(
+                                f"worker {worker.worker_id} stopped responding"))
                     elif (remote is not None and remote.prefill_worker_id == worker.worker_id
                           and not remote.is_kv_sent):
                         self._count("kv_transfer_failures", "prefill_worker_died")

@@ -68,6 +68,9 @@ class ServerMetrics:
         self.kv_transfer_failures = Counter(
             "pdserve:kv_transfer_failures", "Failed KV transfers by reason.", lbl + ["reason"],
             registry=r)
+        self.request_retries = Counter(
+            "pdserve:request_retries", "Requests re-placed after their decode worker died.",
+            lbl, registry=r)
         self.request_prefill_time = Histogram(
             "pdserve:request_prefill_time_seconds",
             "Time from a prefill worker taking a request to its first token, in seconds.", lbl,
