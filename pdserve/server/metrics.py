@@ -75,6 +75,22 @@ class ServerMetrics:
             "pdserve:request_prefill_time_seconds",
             "Time from a prefill worker taking a request to its first token, in seconds.", lbl,
             buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.spec_decode_num_drafts = Counter(
+            "pdserve:spec_decode_num_drafts", "Speculative drafts verified (one per request "
+            "per step that proposed at least one token).", lbl, registry=r)
+        self.spec_decode_num_draft_tokens = Counter(
+            "pdserve:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", lbl,
+            registry=r)
+        self.spec_decode_num_accepted_tokens = Counter(
+            "pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification.",
+            lbl, registry=r)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "pdserve:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by draft position (0 = first draft token).",
+            lbl + ["position"], registry=r)
+        for c in (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                  self.spec_decode_num_accepted_tokens):
+            c.labels(model_name)  # exported at 0 before the first draft
         wl = lbl + ["worker_id", "role"]
         self.worker_up = Gauge("pdserve:worker_up", "1 while a worker is alive.", wl, registry=r)
         self.worker_num_requests_running = Gauge(

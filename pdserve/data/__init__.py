@@ -1,0 +1,1 @@
+"""Small data files shipped with pdserve (held-out text for perplexity checks)."""
