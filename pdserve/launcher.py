@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import ctypes
 import logging
 import os
@@ -194,7 +195,10 @@ def run_prefill_worker(args: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.prefill_worker.worker import PrefillWorker
 
-    engine = LLMEngine(engine_config_from_args(args, args.model))
+    # a prefill worker samples one token per request: nothing to speculate on
+    config = dataclasses.replace(engine_config_from_args(args, args.model),
+                                 speculative_method="none", speculative_model=None)
+    engine = LLMEngine(config)
     name = args.served_model_name or served_model_name(args.model, engine.model_path)
     worker_id = args.worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}"
     PrefillWorker(engine, args.router, worker_id, name, kv_transport=args.kv_transport,

@@ -50,6 +50,11 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     num_prefix_hit_tokens: int = 0
     num_prefix_queried_tokens: int = 0
     num_requests_served: int = 0  # requests this worker finished (prefills, for P)
+    # speculative decoding, cumulative since the worker started
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class GenerateRequest(msgspec.Struct, tag="generate"):

@@ -100,6 +100,7 @@ class EngineWorker:
         """A snapshot of the engine's load (plain counters, safe to read from a thread)."""
         bm = self.engine.block_manager
         sched = self.engine.scheduler
+        spec = self.engine.spec_stats
         return Heartbeat(
             worker_id=self.worker_id, num_running=sched.num_running,
             num_waiting=sched.num_waiting, num_free_blocks=bm.num_free_blocks,
@@ -107,6 +108,9 @@ class EngineWorker:
             num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
             num_prefix_queried_tokens=bm.num_prefix_queried_tokens,
             num_requests_served=self.num_requests_served,
+            num_spec_drafts=spec.num_drafts, num_spec_draft_tokens=spec.num_draft_tokens,
+            num_spec_accepted_tokens=spec.num_accepted_tokens,
+            num_spec_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
         )
 
     def _heartbeat_loop(self) -> None:

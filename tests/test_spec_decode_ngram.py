@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pdserve.engine.spec_decode.ngram import NgramProposer
-from pdserve.engine.spec_decode.proposer import PROPOSERS, Proposer
+from pdserve.engine.spec_decode.proposer import TokenProposer
 
 
 def propose_one(token_ids: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
@@ -96,7 +96,5 @@ def test_negative_k_is_rejected():
         NgramProposer().propose([[1, 1]], -1)
 
 
-def test_registry_maps_ngram_to_a_proposer():
-    proposer = PROPOSERS["ngram"]()
-    assert isinstance(proposer, NgramProposer)
-    assert isinstance(proposer, Proposer)
+def test_ngram_proposer_is_a_token_proposer():
+    assert isinstance(NgramProposer(), TokenProposer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.engine.config import DTYPES, EngineConfig
+from pdserve.engine.config import DTYPES, SPECULATIVE_METHODS, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +28,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false", help="turn off prefix caching")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default RNG")
     g.add_argument("--attention-backend", default="auto", help="auto, torch, ...")
+    s = parser.add_argument_group("speculative decoding (decode workers)")
+    s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
+                   help="draft-token proposer: n-gram prompt lookup, a smaller draft model, "
+                        "or an EAGLE head; none turns speculation off")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens per step (k); k + 1 positions are verified at once")
+    s.add_argument("--speculative-model", default=None,
+                   help="draft model folder (method draft) or EAGLE head folder (method eagle)")
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
@@ -40,6 +48,9 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None) -> Engi
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         attention_backend=args.attention_backend,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model,
     )
 
 
@@ -57,4 +68,8 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     if not args.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    argv += ["--speculative-method", args.speculative_method,
+             "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    if args.speculative_model:
+        argv += ["--speculative-model", args.speculative_model]
     return argv

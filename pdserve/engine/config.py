@@ -19,6 +19,9 @@ DTYPES: dict[str, torch.dtype | None] = {
     "float": torch.float32,
 }
 
+#: ``EngineConfig.speculative_method`` values (see :mod:`pdserve.engine.spec_decode`).
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "eagle")
+
 #: KV cache budget used on CPU when none is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 #: Fraction of free accelerator memory given to the KV cache when none is given.
@@ -52,6 +55,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     load_progress: bool = True
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -85,6 +91,25 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.speculative_method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not (
+                1 <= self.num_speculative_tokens <= 16):
+            raise ValueError("num_speculative_tokens must be an integer in [1, 16], "
+                             f"got {self.num_speculative_tokens!r}")
+        needs_model = self.speculative_method in ("draft", "eagle")
+        if needs_model and not self.speculative_model:
+            raise ValueError(f"speculative_model is required for speculative_method="
+                             f"{self.speculative_method!r}")
+        if not needs_model and self.speculative_model:
+            raise ValueError("speculative_model is only used with speculative_method "
+                             "'draft' or 'eagle'")
+
+    @property
+    def use_speculation(self) -> bool:
+        """True when a proposer drafts tokens for the decode steps."""
+        return self.speculative_method != "none"
 
     @property
     def torch_device(self) -> torch.device:

@@ -16,6 +16,7 @@ from pdserve.engine.outputs import RequestDelta, TokenLogprob
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.spec_decode import SpecDecodeStats, build_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
+        self.proposer = build_proposer(config, self.runner, self.block_manager,
+                                       self.max_model_len)
+        self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
         self.requests: dict[str, Request] = {}
         #: request id -> [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.exported_kv: dict[str, torch.Tensor] = {}
@@ -209,6 +213,7 @@ class LLMEngine:
             return False
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.num_draft_computed = 0
         req.token_ids = req.prompt_token_ids + list(output_token_ids)
         req.status = RequestStatus.WAITING
         self.scheduler.add_request(req)
@@ -236,47 +241,61 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestDelta]:
-        """Run one engine step; returns the requests that produced tokens or finished."""
+        """Run one engine step; returns the requests that produced tokens or finished.
+
+        With speculation a request may emit several tokens in one step; it stops at the
+        first that meets a stop condition and the rest are dropped.
+        """
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         out = self.runner.execute(sched)
+        num_accepted = dict(zip(out.request_ids, out.num_accepted_tokens))
         for s in sched.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_computed_blocks(s.request)
+            req = s.request
+            # rejected drafts' K/V stays in the slots past num_computed_tokens (overwritten later)
+            rejected = s.num_spec_tokens - num_accepted.get(req.request_id, s.num_spec_tokens)
+            req.num_computed_tokens += s.num_new_tokens - rejected
+            self.block_manager.cache_computed_blocks(req)
         deltas: list[RequestDelta] = []
-        lp = out.logprobs
-        for row, (request_id, token_id) in enumerate(zip(out.request_ids, out.sampled_token_ids)):
+        finished: set[str] = set()
+        for request_id, token_ids, logprobs, num_draft, num_acc in zip(
+                out.request_ids, out.sampled_token_ids, out.logprobs, out.num_draft_tokens,
+                out.num_accepted_tokens):
             req = self.requests[request_id]
-            req.append_output_token(token_id)
-            self.num_generation_tokens += 1
-            if req.num_output_tokens == 1:
-                self.num_prompt_tokens += req.num_prompt_tokens
-            new_logprobs = None
-            if req.sampling_params.logprobs is not None and lp is not None:
-                k = req.sampling_params.logprobs
-                new_logprobs = [TokenLogprob(
-                    token_id=token_id,
-                    logprob=float(lp.sampled_logprobs[row]),
-                    rank=int(lp.sampled_ranks[row]),
-                    top_token_ids=lp.top_token_ids[row, :k].tolist(),
-                    top_logprobs=lp.top_logprobs[row, :k].tolist(),
-                )]
-            status = req.check_stop(self.max_model_len)
+            if num_draft:
+                self.spec_stats.observe(num_draft, num_acc)
+            status = None
+            new_ids: list[int] = []
+            for token_id in token_ids:
+                req.append_output_token(token_id)
+                new_ids.append(token_id)
+                if req.num_output_tokens == 1:
+                    self.num_prompt_tokens += req.num_prompt_tokens
+                status = req.check_stop(self.max_model_len)
+                if status is not None:
+                    break
+            self.num_generation_tokens += len(new_ids)
             if status is not None:
                 if req.export_kv:
                     self.exported_kv[request_id] = self._copy_prompt_kv(req)
                 self.scheduler.finish(req, status)
                 del self.requests[request_id]
+                finished.add(request_id)
             queue_time_s = None
-            if req.num_output_tokens == 1 and req.first_scheduled_s is not None:
+            if req.num_output_tokens == len(new_ids) and req.first_scheduled_s is not None:
                 queue_time_s = req.first_scheduled_s - req.added_s
             deltas.append(RequestDelta(
-                request_id=request_id, new_token_ids=[token_id], new_logprobs=new_logprobs,
+                request_id=request_id, new_token_ids=new_ids,
+                new_logprobs=logprobs[:len(new_ids)] if logprobs is not None else None,
                 finish_reason=status.finish_reason if status else None,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time_s,
             ))
+        if self.proposer is not None:
+            self.proposer.propose(sched, [s.request for s in sched.scheduled
+                                         if s.request.request_id not in finished])
+        self.spec_stats.maybe_log()
         return deltas
 
     def _copy_prompt_kv(self, req: Request) -> torch.Tensor:

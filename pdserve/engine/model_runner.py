@@ -20,8 +20,10 @@ from pdserve.engine.config import (
 from pdserve.engine.layers.linear import cpu_has_native_gemm, swap_to_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
 from pdserve.engine.models import get_model_class
-from pdserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.engine.spec_decode.rejection_sampler import RejectionSampler
 
 
 @contextmanager
@@ -36,17 +38,61 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens of one step, one row per sampling request, in schedule order.
+    """Tokens emitted by one step, one entry per sampling request, in schedule order.
 
     Attributes:
         request_ids: the requests that sampled.
-        sampled_token_ids: their new tokens.
-        logprobs: ``LogprobsTensors`` on the host for those rows, None if none asked.
+        sampled_token_ids: per request its new tokens: one for a plain step, ``1 .. k + 1``
+            for a request that verified ``k`` draft tokens (the accepted drafts, then the
+            target's correction or bonus token).
+        logprobs: per request, a :class:`TokenLogprob` for each new token when the request
+            asked for logprobs, else None.
+        num_draft_tokens: per request, the drafts it verified (0 without speculation).
+        num_accepted_tokens: per request, how many of them were accepted.
     """
 
     request_ids: list[str]
-    sampled_token_ids: list[int]
-    logprobs: LogprobsTensors | None
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob] | None]
+    num_draft_tokens: list[int]
+    num_accepted_tokens: list[int]
+
+
+@dataclass
+class StepHidden:
+    """The last step's target hidden states, for drafters that read them (EAGLE).
+
+    Attributes:
+        hidden: ``[num_tokens, hidden_size]`` final (normed) hidden states of the step.
+        query_starts: per scheduled request (schedule order), its first row in ``hidden``.
+        num_computed_before: per scheduled request, its computed tokens before the step
+            (row ``query_starts[i] + j`` is position ``num_computed_before[i] + j``).
+    """
+
+    hidden: torch.Tensor
+    query_starts: list[int]
+    num_computed_before: list[int]
+
+
+def load_model(arch: ModelArchConfig, checkpoint: Checkpoint, dtype: torch.dtype,
+               device: torch.device, backend, max_model_len: int,
+               progress: bool = True) -> torch.nn.Module:
+    """Build the model class of ``arch`` on ``device`` in ``dtype`` and load its weights.
+
+    On CPUs without native 16-bit GEMMs the Linear layers are swapped to fp32 GEMMs
+    (see :mod:`pdserve.engine.layers.linear`).
+
+    Raises:
+        ValueError: unknown architecture or a checkpoint that does not fit the model.
+    """
+    model_cls = get_model_class(arch.architecture)
+    with _default_dtype(dtype), device:
+        model = model_cls(arch, backend, max_model_len)
+    model.load_weights(checkpoint.iter_weights(dtype, progress=progress))
+    model.eval()
+    if device.type == "cpu" and dtype != torch.float32 and not cpu_has_native_gemm(dtype):
+        swap_to_fp32_gemm(model)
+    return model
 
 
 def _available_memory_bytes(device: torch.device) -> int:
@@ -78,14 +124,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.backend = get_backend(config.attention_backend, self.device)
-        model_cls = get_model_class(arch.architecture)
-        with _default_dtype(self.dtype), self.device:
-            self.model = model_cls(arch, self.backend, max_model_len)
-        self.model.load_weights(checkpoint.iter_weights(self.dtype, progress=config.load_progress))
-        self.model.eval()
-        if (self.device.type == "cpu" and self.dtype != torch.float32
-                and not cpu_has_native_gemm(self.dtype)):
-            swap_to_fp32_gemm(self.model)
+        self.model = load_model(arch, checkpoint, self.dtype, self.device, self.backend,
+                                max_model_len, config.load_progress)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         self.num_kv_blocks = self._decide_num_blocks()
@@ -106,6 +146,8 @@ class ModelRunner:
                           for i in range(arch.num_layers)]
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.last_step: StepHidden | None = None
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
 
@@ -126,9 +168,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step's forward pass and sample.
+        """Run one step's forward pass, then sample (plain rows) and verify (draft rows).
 
-        The host reads results once, at the end (``tolist`` of the sampled ids).
+        The host reads results once per group, at the end (``tolist`` of the token ids).
         """
         bs = self.block_size
         input_ids: list[int] = []
@@ -137,22 +179,28 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sampling = []
+        plain: list[tuple[ScheduledRequest, int]] = []  # (scheduled, its last row)
+        verify: list[tuple[ScheduledRequest, int]] = []  # (scheduled, its first verified row)
+        query_starts: list[int] = []
         for s in sched.scheduled:
-            req, n = s.request, s.num_new_tokens
+            req, n, k = s.request, s.num_new_tokens, s.num_spec_tokens
             start = req.num_computed_tokens
             end = start + n
             bt = req.block_table
-            input_ids.extend(req.token_ids[start:end])
+            query_starts.append(len(input_ids))
+            input_ids.extend(req.token_ids[start:end - k])
+            input_ids.extend(s.spec_token_ids)
             positions.extend(range(start, end))
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
             seq_lens.append(end)
             block_tables.append(bt)
             if s.is_sampling:
-                sample_rows.append(len(input_ids) - 1)
-                sampling.append(req)
+                last_row = len(input_ids) - 1
+                if k:
+                    verify.append((s, last_row - k))
+                else:
+                    plain.append((s, last_row))
 
         dev = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
@@ -164,25 +212,100 @@ class ModelRunner:
         )
         metadata = self.backend.build_metadata(attn_inputs)
         hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)
-        if not sampling:
-            return ModelRunnerOutput([], [], None)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampling, vocab] fp32
-        smeta = SamplingMetadata.build(
-            params=[r.sampling_params for r in sampling],
-            prompt_token_ids=[r.prompt_token_ids for r in sampling],
-            output_token_ids=[r.output_token_ids for r in sampling],
-            generators=[r.generator for r in sampling],
-            eos_token_id=self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None,
-            vocab_size=logits.shape[-1],
-            device=dev,
-        )
-        out = self.sampler(logits, smeta, self.default_generator)
-        logprobs = out.logprobs
-        if logprobs is not None and dev.type != "cpu":
-            logprobs = LogprobsTensors(*(t.cpu() for t in (
-                logprobs.sampled_logprobs, logprobs.sampled_ranks, logprobs.top_token_ids,
-                logprobs.top_logprobs)))
+        #: kept for the drafter: this step's hidden states, each scheduled request's first
+        #: row in them and its num_computed_tokens before the step
+        self.last_step = StepHidden(hidden, query_starts,
+                                    [s.request.num_computed_tokens for s in sched.scheduled])
+        results: dict[str, tuple[list[int], list[TokenLogprob] | None, int, int]] = {}
+        if plain:
+            results.update(self._sample_plain(hidden, plain))
+        if verify:
+            results.update(self._verify_drafts(hidden, verify))
+        order = [s.request.request_id for s in sched.scheduled
+                 if s.request.request_id in results]
         return ModelRunnerOutput(
-            [r.request_id for r in sampling], out.sampled_token_ids.tolist(), logprobs
+            request_ids=order,
+            sampled_token_ids=[results[r][0] for r in order],
+            logprobs=[results[r][1] for r in order],
+            num_draft_tokens=[results[r][2] for r in order],
+            num_accepted_tokens=[results[r][3] for r in order],
         )
+
+    def _sampling_metadata(self, requests: list, output_token_ids: list[list[int]],
+                           vocab_size: int) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=output_token_ids,
+            generators=[r.generator for r in requests],
+            eos_token_id=self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None,
+            vocab_size=vocab_size,
+            device=self.device,
+        )
+
+    def _sample_plain(self, hidden: torch.Tensor, plain: list[tuple[ScheduledRequest, int]]):
+        """One token per request from its last row (all sampling features)."""
+        reqs = [s.request for s, _ in plain]
+        rows = torch.tensor([row for _, row in plain], dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [num_plain, vocab] fp32
+        smeta = self._sampling_metadata(reqs, [r.output_token_ids for r in reqs],
+                                        logits.shape[-1])
+        out = self.sampler(logits, smeta, self.default_generator)
+        tokens = out.sampled_token_ids.tolist()
+        lps = _token_logprobs(reqs, [[t] for t in tokens], out.logprobs)
+        return {r.request_id: ([t], lp, 0, 0) for r, t, lp in zip(reqs, tokens, lps)}
+
+    def _verify_drafts(self, hidden: torch.Tensor, verify: list[tuple[ScheduledRequest, int]]):
+        """Verify each request's ``k`` drafts over its ``k + 1`` rows (rejection sampling)."""
+        reqs = [s.request for s, _ in verify]
+        rows = torch.tensor([first + j for s, first in verify for j in range(s.num_spec_tokens + 1)],
+                            dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [sum(k_i + 1), vocab] fp32
+        smeta = self._sampling_metadata(reqs, [r.output_token_ids for r in reqs],
+                                        logits.shape[-1])
+        out = self.rejection_sampler(
+            logits, [s.spec_token_ids for s, _ in verify],
+            [s.spec_draft_probs for s, _ in verify], smeta, self.default_generator)
+        emitted, num_accepted = out.to_lists()
+        logprobs = None
+        if smeta.max_num_logprobs is not None:
+            # emitted token j of a request is scored by its verified row j
+            starts, total = [], 0
+            for s, _ in verify:
+                starts.append(total)
+                total += s.num_spec_tokens + 1
+            emit_rows = torch.tensor([st + j for st, toks in zip(starts, emitted)
+                                      for j in range(len(toks))], dtype=torch.int64,
+                                     device=self.device)
+            tokens = torch.tensor([t for toks in emitted for t in toks], dtype=torch.int64,
+                                  device=self.device)
+            raw = torch.log_softmax(logits[emit_rows], dim=-1)
+            logprobs = gather_logprobs(raw, tokens, smeta.max_num_logprobs)
+        lps = _token_logprobs(reqs, emitted, logprobs)
+        return {r.request_id: (toks, lp, s.num_spec_tokens, m)
+                for r, (s, _), toks, lp, m in zip(reqs, verify, emitted, lps, num_accepted)}
+
+
+def _token_logprobs(requests: list, emitted: list[list[int]],
+                    lp: LogprobsTensors | None) -> list[list[TokenLogprob] | None]:
+    """Per request, TokenLogprob objects for its emitted tokens (rows in emission order)."""
+    out: list[list[TokenLogprob] | None] = []
+    row = 0
+    if lp is not None and lp.sampled_logprobs.device.type != "cpu":
+        lp = LogprobsTensors(*(t.cpu() for t in (
+            lp.sampled_logprobs, lp.sampled_ranks, lp.top_token_ids, lp.top_logprobs)))
+    for req, tokens in zip(requests, emitted):
+        k = req.sampling_params.logprobs
+        if k is None or lp is None:
+            out.append(None)
+            row += len(tokens)
+            continue
+        items = []
+        for token_id in tokens:
+            items.append(TokenLogprob(
+                token_id=token_id, logprob=float(lp.sampled_logprobs[row]),
+                rank=int(lp.sampled_ranks[row]), top_token_ids=lp.top_token_ids[row, :k].tolist(),
+                top_logprobs=lp.top_logprobs[row, :k].tolist()))
+            row += 1
+        out.append(items)
+    return out

@@ -47,6 +47,10 @@ class Request:
         max_tokens: output limit resolved against the model length.
         generator: per-request RNG when ``sampling_params.seed`` is set.
         export_kv: a prefill worker's request: copy its KV out when it finishes.
+        spec_token_ids: draft tokens proposed for the next verification step (speculation).
+        spec_draft_probs: ``[len(spec_token_ids), vocab]`` fp32, the draft distribution
+            (after temperature) they were sampled from; None for point-mass drafts.
+        num_draft_computed: leading tokens whose K/V the draft model (or EAGLE head) holds.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -70,6 +74,9 @@ class Request:
         self.added_s = time.monotonic()
         self.first_scheduled_s: float | None = None
         self.export_kv = False
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: torch.Tensor | None = None
+        self.num_draft_computed = 0
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=device)

@@ -31,7 +31,7 @@ from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 
 __all__ = [
     "LogprobsTensors", "PenaltyTensors", "Sampler", "SamplerOutput", "SamplingMetadata",
-    "apply_min_p", "apply_penalties", "apply_top_k_top_p",
+    "apply_min_p", "apply_penalties", "apply_top_k_top_p", "gather_logprobs",
 ]
 
 
@@ -98,7 +98,7 @@ class Sampler:
 
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = self._gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
@@ -168,17 +168,16 @@ class Sampler:
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return probs.div_(noise).argmax(dim=-1)
 
-    @staticmethod
-    def _gather_logprobs(
-        raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int
-    ) -> LogprobsTensors:
-        """Logprobs of the sampled ``[B]`` tokens and the ``num_top`` best, from ``[B, V]`` fp32."""
-        sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
-        ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
-        top_logprobs, top_token_ids = raw_logprobs.topk(num_top, dim=-1)
-        return LogprobsTensors(
-            sampled_logprobs=sampled_logprobs.squeeze(1),
-            sampled_ranks=ranks,
-            top_token_ids=top_token_ids,
-            top_logprobs=top_logprobs,
-        )
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
+                    num_top: int) -> LogprobsTensors:
+    """Logprobs of the sampled ``[B]`` int64 tokens and the ``num_top`` best, from ``[B, V]`` fp32."""
+    sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
+    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_token_ids = raw_logprobs.topk(num_top, dim=-1)
+    return LogprobsTensors(
+        sampled_logprobs=sampled_logprobs.squeeze(1),
+        sampled_ranks=ranks,
+        top_token_ids=top_token_ids,
+        top_logprobs=top_logprobs,
+    )

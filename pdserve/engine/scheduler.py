@@ -6,6 +6,12 @@ requests in arrival order while the budget, ``max_num_seqs`` and free blocks all
 request gets blocks for all of its current tokens when admitted; decodes then grow one
 slot at a time. When a decode cannot get a block, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
+
+Speculative decoding: a decode carrying ``k`` draft tokens is scheduled as ``1 + k`` tokens
+(the last sampled token plus the drafts, all verified in one pass). Drafts are dropped (a
+plain decode) when the budget or the free blocks cannot cover them; they never cause
+preemption. (The drafter reserves the slots its own K/V needs when it proposes.)
+In the batch, plain decodes come first, then verifying decodes, then prefills.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
@@ -24,12 +32,20 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
+    #: draft tokens verified this step (included in ``num_new_tokens``, after the real ones)
+    spec_token_ids: list[int] = field(default_factory=list)
+    #: ``[num_spec_tokens, vocab]`` fp32 draft distribution, None for point-mass drafts
+    spec_draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return len(self.spec_token_ids)
 
     @property
     def is_sampling(self) -> bool:
         """True when this chunk reaches the request's last token, so a token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == r.num_tokens
 
 
 @dataclass
@@ -86,6 +102,9 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.num_draft_computed = 0
+        request.spec_token_ids = []
+        request.spec_draft_probs = None
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -98,12 +117,19 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
 
+        verifying: list[ScheduledRequest] = []
         for req in decoding:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            while not bm.can_append(req, 1):
+            spec = req.spec_token_ids[: budget - 1]
+            probs = None if req.spec_draft_probs is None else req.spec_draft_probs[: len(spec)]
+            req.spec_token_ids, req.spec_draft_probs = [], None
+            num_new = 1 + len(spec)
+            if spec and not bm.can_append(req, num_new):
+                spec, probs, num_new = [], None, 1
+            while not bm.can_append(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -111,10 +137,14 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            bm.append_slots(req, 1)
-            out.scheduled.append(ScheduledRequest(req, 1))
-            budget -= 1
+            bm.append_slots(req, num_new)
+            if spec:
+                verifying.append(ScheduledRequest(req, num_new, spec, probs))
+            else:
+                out.scheduled.append(ScheduledRequest(req, 1))
+            budget -= num_new
         out.num_decodes = len(out.scheduled)
+        out.scheduled.extend(verifying)
 
         for req in prefilling:
             if budget == 0:
@@ -140,7 +170,7 @@ class Scheduler:
             self.running.append(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             scheduled = ScheduledRequest(req, num_new)
-            if num_new == 1 and out.num_decodes == len(out.scheduled):
+            if num_new == 1 and out.num_decodes == len(out.scheduled):  # no verifying ones
                 out.num_decodes += 1  # a one-token prefill can ride the decode path
             out.scheduled.append(scheduled)
             budget -= num_new

@@ -121,6 +121,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         workers = state.router.alive_workers()
         state.metrics.set_worker_load(workers)
+        state.metrics.add_spec_decode_counts(workers)
         workers = [w for w in workers if w.info.role == "decode"]
         loads = [w.load for w in workers if w.load is not None]
         usage = max((lo.kv_cache_usage for lo in loads), default=0.0)

@@ -91,6 +91,8 @@ class ServerMetrics:
         for c in (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
                   self.spec_decode_num_accepted_tokens):
             c.labels(model_name)  # exported at 0 before the first draft
+        #: worker id -> the cumulative spec-decode counters last added from its heartbeats
+        self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
         wl = lbl + ["worker_id", "role"]
         self.worker_up = Gauge("pdserve:worker_up", "1 while a worker is alive.", wl, registry=r)
         self.worker_num_requests_running = Gauge(
@@ -116,6 +118,32 @@ class ServerMetrics:
                 self.worker_num_requests_running.labels(*key).set(w.load.num_running)
                 self.worker_kv_cache_usage_perc.labels(*key).set(w.load.kv_cache_usage)
                 self.worker_requests_served.labels(*key).set(w.load.num_requests_served)
+
+    def add_spec_decode_counts(self, workers) -> None:
+        """Add what each worker's cumulative spec-decode counters grew by since last time.
+
+        A worker whose counters went down restarted; its counts start again from zero.
+        """
+        m = self.model_name
+        for w in workers:
+            lo = w.load
+            if lo is None or w.info.role != "decode":
+                continue
+            now = (lo.num_spec_drafts, lo.num_spec_draft_tokens, lo.num_spec_accepted_tokens,
+                   list(lo.num_spec_accepted_tokens_per_pos))
+            before = self._spec_seen.get(w.worker_id, (0, 0, 0, []))
+            if now[0] < before[0]:
+                before = (0, 0, 0, [])
+            self._spec_seen[w.worker_id] = now
+            for counter, new, old in ((self.spec_decode_num_drafts, now[0], before[0]),
+                                      (self.spec_decode_num_draft_tokens, now[1], before[1]),
+                                      (self.spec_decode_num_accepted_tokens, now[2], before[2])):
+                if new > old:
+                    counter.labels(m).inc(new - old)
+            for pos, new in enumerate(now[3]):
+                old = before[3][pos] if pos < len(before[3]) else 0
+                if new > old:
+                    self.spec_decode_num_accepted_tokens_per_pos.labels(m, str(pos)).inc(new - old)
 
     def set_load(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         m = self.model_name

@@ -1,37 +1,34 @@
-"""The ``Proposer`` protocol for draft-token proposers, and the registry of implementations.
+"""What a draft proposer is, which requests it may draft for, and the registry of proposers.
 
-A proposer guesses the next ``k`` tokens of each running request; the target model then scores
-all ``k + 1`` positions in one forward pass and the rejection sampler
-(:mod:`pdserve.engine.spec_decode.rejection_sampler`) keeps the accepted prefix.
+A proposer runs after every engine step (``LLMEngine.step``): it sees the step's scheduled
+requests (and, through the model runner, the step's hidden states) and leaves up to ``k``
+draft tokens in ``request.spec_token_ids`` (plus ``request.spec_draft_probs`` when the
+drafts were sampled from a distribution). The next step verifies them
+(:mod:`pdserve.engine.spec_decode.rejection_sampler`).
 
-Model-free proposers (n-gram / prompt lookup) need only token histories, which is what
-:meth:`Proposer.propose` takes. Model-based proposers will extend the protocol rather than
-bend it:
+Two kinds exist:
 
-- **EAGLE (EAGLE-1/2 heads, EAGLE-3)** also needs the target's hidden states at the last
-  verified positions (EAGLE-3: several layers' states, concatenated) and keeps its own
-  one-layer KV cache, so it needs the step's positions, slot mapping and the number of
-  accepted tokens per request to roll its cache back.
-- **Draft model** runs a smaller model of the same tokenizer with its own paged KV cache; it
-  needs block tables / slot mappings for its cache and, for random sampling, returns the
-  draft distribution ``q`` (``[k, V]`` fp32) with its tokens.
-
-Both will be a ``ModelProposer`` protocol whose ``propose`` takes a typed per-step input
-(token ids, hidden states, attention metadata) and returns a typed output (draft token ids
-and optional draft probs). Point-mass proposers such as n-gram return no probs.
+- history proposers (n-gram prompt lookup) need only token ids: :class:`TokenProposer`,
+  wrapped by :class:`~pdserve.engine.spec_decode.history_proposer.HistoryProposer`;
+- model proposers (a draft model, an EAGLE head) keep their own paged K/V in the target's
+  blocks: :mod:`pdserve.engine.spec_decode.model_proposer`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
-from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.scheduler import SchedulerOutput
 
 
 @runtime_checkable
-class Proposer(Protocol):
+class TokenProposer(Protocol):
     """Proposes draft tokens from token histories alone (no model state)."""
 
     def propose(
@@ -44,11 +41,77 @@ class Proposer(Protocol):
             num_speculative_tokens: k, the most draft tokens per request.
 
         Returns:
-            Per request 0 .. k draft token ids, in order; an empty list means "no draft",
-            and that request is verified like a plain decode step.
+            Per request 0 .. k draft token ids, in order; an empty list means "no draft".
         """
         ...
 
 
-#: Method name (``SpeculativeConfig.method``) -> proposer class. Read-only.
-PROPOSERS: Mapping[str, type[Proposer]] = MappingProxyType({"ngram": NgramProposer})
+class SpecProposer(Protocol):
+    """Leaves drafts on the requests after each engine step."""
+
+    def propose(self, sched: "SchedulerOutput", live_requests: list[Request]) -> None:
+        """Set ``spec_token_ids`` (and ``spec_draft_probs``) of ``live_requests``.
+
+        Args:
+            sched: the step that just ran (its requests' state is already updated).
+            live_requests: the scheduled requests that did not finish in that step.
+        """
+        ...
+
+
+def max_num_drafts(request: Request, num_speculative_tokens: int, max_model_len: int) -> int:
+    """How many draft tokens ``request`` may get now (0: decode it plainly).
+
+    Zero while the request still prefills, when it uses logit processing that verification
+    does not support (penalties, logit_bias, min_tokens not yet reached), and near its
+    max_tokens / max_model_len limits (no draft beyond what it could still emit).
+    """
+    if request.num_tokens - request.num_computed_tokens != 1:
+        return 0
+    params = request.sampling_params
+    if (params.has_penalties or params.logit_bias
+            or request.num_output_tokens < params.min_tokens):
+        return 0
+    return max(0, min(num_speculative_tokens,
+                      request.max_tokens - request.num_output_tokens - 1,
+                      max_model_len - request.num_tokens))
+
+
+ProposerFactory = Callable[["EngineConfig", "ModelRunner", "BlockManager", int], SpecProposer]
+
+
+def _ngram(config, runner, block_manager, max_model_len) -> SpecProposer:
+    from pdserve.engine.spec_decode.history_proposer import HistoryProposer
+    from pdserve.engine.spec_decode.ngram import NgramProposer
+
+    return HistoryProposer(NgramProposer(), config.num_speculative_tokens, max_model_len)
+
+
+def _draft(config, runner, block_manager, max_model_len) -> SpecProposer:
+    from pdserve.engine.spec_decode.model_proposer import DraftModelProposer
+
+    return DraftModelProposer(config, runner, block_manager, max_model_len)
+
+
+def _eagle(config, runner, block_manager, max_model_len) -> SpecProposer:
+    from pdserve.engine.spec_decode.eagle_proposer import EagleProposer
+
+    return EagleProposer(config, runner, block_manager, max_model_len)
+
+
+#: ``EngineConfig.speculative_method`` -> factory ``(config, runner, block_manager,
+#: max_model_len) -> SpecProposer``.
+PROPOSERS: dict[str, ProposerFactory] = {"ngram": _ngram, "draft": _draft, "eagle": _eagle}
+
+
+def build_proposer(config: "EngineConfig", runner: "ModelRunner",
+                   block_manager: "BlockManager", max_model_len: int) -> SpecProposer | None:
+    """The proposer ``config.speculative_method`` names, or None for "none".
+
+    Raises:
+        ValueError / FileNotFoundError: the draft model or head cannot be loaded or does
+            not fit the target (e.g. a different vocabulary).
+    """
+    if not config.use_speculation:
+        return None
+    return PROPOSERS[config.speculative_method](config, runner, block_manager, max_model_len)

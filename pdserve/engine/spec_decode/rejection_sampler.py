@@ -222,14 +222,14 @@ class RejectionSampler:
         temperature = torch.where(
             metadata.temperature <= GREEDY_TEMPERATURE, 1.0, metadata.temperature
         )
-        target_probs = _truncated_probs(
+        target_probs = truncated_probs(
             target_logits / temperature[request_of_row].unsqueeze(1),
             metadata, request_of_row,
         )  # [N, V] fp32
         draft_q = _draft_distribution(
             draft_ids, draft_probs, num_draft, target_logits.shape[1]
         )  # [D, V] fp32
-        draft_q = _truncated_probs(
+        draft_q = truncated_probs(
             draft_q.log(), metadata, request_of_row[draft_rows]
         )  # [D, V] fp32, same truncation as the target
 
@@ -279,7 +279,7 @@ def _draft_distribution(
     return torch.cat(rows)
 
 
-def _truncated_probs(
+def truncated_probs(
     logits: torch.Tensor, metadata: SamplingMetadata, request_of_row: torch.Tensor
 ) -> torch.Tensor:
     """min_p, top_k, top_p of each row's request, then softmax.

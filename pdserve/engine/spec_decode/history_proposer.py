@@ -1,0 +1,35 @@
+"""Adapter running a token-history proposer (n-gram) as the engine's step proposer."""
+
+from __future__ import annotations
+
+from pdserve.engine.request import Request
+from pdserve.engine.spec_decode.proposer import TokenProposer, max_num_drafts
+
+
+class HistoryProposer:
+    """Drafts from token histories only; nothing to keep in the KV cache.
+
+    Args:
+        proposer: e.g. :class:`~pdserve.engine.spec_decode.ngram.NgramProposer`.
+        num_speculative_tokens: k.
+        max_model_len: the engine's context limit.
+    """
+
+    def __init__(self, proposer: TokenProposer, num_speculative_tokens: int,
+                 max_model_len: int) -> None:
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+
+    def propose(self, sched, live_requests: list[Request]) -> None:
+        """Point-mass drafts (``spec_draft_probs`` None) for every decoding request."""
+        drafting = [(r, n) for r in live_requests
+                    if (n := max_num_drafts(r, self.num_speculative_tokens,
+                                            self.max_model_len)) > 0]
+        if not drafting:
+            return
+        drafts = self.proposer.propose([r.token_ids for r, _ in drafting],
+                                       self.num_speculative_tokens)
+        for (req, n), tokens in zip(drafting, drafts):
+            req.spec_token_ids = tokens[:n]
+            req.spec_draft_probs = None
