@@ -1,0 +1,153 @@
+"""Speculative decoding in the engine is lossless: same greedy tokens and logprobs as plain
+decoding, every draft accepted when the draft equals the target, nothing leaked."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from conftest import build_tiny_checkpoint
+from pdserve.engine import LLM, SamplingParams
+
+K = 4
+NUM_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tiny random Qwen3 whose EOS is a token its greedy outputs really produce."""
+    path = tmp_path_factory.mktemp("spec_qwen3")
+    build_tiny_checkpoint("qwen3", path, seed=3)
+    prompts = _prompts()
+    plain = _greedy(LLM(str(path), dtype="float32", load_progress=False), prompts,
+                    _params(ignore_eos=True))
+    eos = plain[1][5]  # prompt 1 stops at its 6th token (or earlier if it repeats)
+    cfg_file = path / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["eos_token_id"] = eos
+    cfg_file.write_text(json.dumps(cfg))
+    return path, plain
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (3, 9, 31, 70, 130)]
+    prompts += [[11, 12, 13, 14] * 12, [5, 6, 7] * 25, list(range(40, 60)) * 3]
+    return prompts  # 8 prompts, 3 of them repetitive (n-gram drafts hit)
+
+
+def _params(ignore_eos: bool = False, stop: list[int] | None = None,
+            **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=ignore_eos,
+                          stop_token_ids=stop or [], **kw)
+
+
+def _greedy(llm: LLM, prompts, params) -> list[list[int]]:
+    outs = llm.generate(prompts, params, detokenize=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _mixed_params(plain: list[list[int]]) -> list[SamplingParams]:
+    """Per prompt: EOS (prompt 1), a stop token (prompt 2), short max_tokens (3, 4, 5)."""
+    params = [_params() for _ in plain]
+    params[2] = _params(stop=[plain[2][7]])
+    params[3] = SamplingParams(temperature=0.0, max_tokens=3)
+    params[4] = SamplingParams(temperature=0.0, max_tokens=6)
+    params[5] = SamplingParams(temperature=0.0, max_tokens=9)
+    return params
+
+
+def _spec_llm(path, method: str, **kw) -> LLM:
+    model = str(path) if method == "draft" else None
+    return LLM(str(path), dtype="float32", load_progress=False, speculative_method=method,
+               num_speculative_tokens=K, speculative_model=model, **kw)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_output_equals_plain_decoding(qwen3, method):
+    path, plain = qwen3
+    prompts = _prompts()
+    params = _mixed_params(plain)
+    expected = _greedy(LLM(str(path), dtype="float32", load_progress=False), prompts, params)
+    assert len(expected[1]) < NUM_NEW and expected[1][-1] == plain[1][5]  # EOS really hit
+    assert len(expected[2]) <= 8  # stop token really hit
+    llm = _spec_llm(path, method)
+    assert _greedy(llm, prompts, params) == expected
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_draft_equal_to_target_accepts_every_draft(qwen3):
+    path, _ = qwen3
+    llm = _spec_llm(path, "draft")
+    _greedy(llm, _prompts(), _params(ignore_eos=True))
+    stats = llm.engine.spec_stats
+    print(f"greedy acceptance length {stats.mean_acceptance_length:.3f} over "
+          f"{stats.num_drafts} drafts")
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    # every full-length draft (k tokens) gives acceptance length k + 1; drafts are cut
+    # shorter only near max_tokens
+    full = stats.num_accepted_tokens_per_pos[K - 1]
+    assert full >= 0.7 * stats.num_drafts
+    assert stats.num_accepted_tokens_per_pos == sorted(stats.num_accepted_tokens_per_pos,
+                                                       reverse=True)
+
+
+def test_draft_equal_to_target_accepts_every_sampled_draft(qwen3):
+    """p == q makes the acceptance ratio p/q = 1 (up to the two passes' rounding)."""
+    path, _ = qwen3
+    llm = _spec_llm(path, "draft")
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NUM_NEW, ignore_eos=True,
+                            seed=5)
+    llm.generate(_prompts(), params, detokenize=False)
+    stats = llm.engine.spec_stats
+    print(f"sampled acceptance length {stats.mean_acceptance_length:.3f}")
+    assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens
+
+
+def test_logprobs_equal_plain_decoding(qwen3):
+    """Tolerance 1e-4 nats: fp32, verification rows vs decode rows differ only in summation
+    order."""
+    path, _ = qwen3
+    prompts = _prompts()
+    params = _params(ignore_eos=True, logprobs=3)
+    base = LLM(str(path), dtype="float32", load_progress=False).generate(
+        prompts, params, detokenize=False)
+    spec = _spec_llm(path, "draft").generate(prompts, params, detokenize=False)
+    for b, s in zip(base, spec):
+        bo, so = b.outputs[0], s.outputs[0]
+        assert so.token_ids == bo.token_ids
+        assert len(so.logprobs) == len(bo.logprobs) == len(bo.token_ids)
+        for lb, ls in zip(bo.logprobs, so.logprobs):
+            assert ls.rank == lb.rank and ls.top_token_ids == lb.top_token_ids
+            assert ls.logprob == pytest.approx(lb.logprob, abs=1e-4)
+            assert ls.top_logprobs == pytest.approx(lb.top_logprobs, abs=1e-4)
+
+
+def test_no_blocks_leak_after_200_requests_with_aborts(qwen3):
+    path, _ = qwen3
+    llm = _spec_llm(path, "draft", num_kv_blocks=40, block_size=8, max_num_seqs=16,
+                    max_model_len=256)
+    engine = llm.engine
+    rng = random.Random(0)
+    live: set[str] = set()
+    for i in range(200):
+        prompt = [rng.randrange(512) for _ in range(rng.randrange(1, 40))]
+        temperature = rng.choice([0.0, 0.0, 1.0])
+        engine.add_request(f"r{i}", prompt, SamplingParams(
+            temperature=temperature, max_tokens=rng.randrange(1, 20), ignore_eos=True))
+        live.add(f"r{i}")
+        for delta in engine.step():
+            if delta.finish_reason is not None:
+                live.discard(delta.request_id)
+        if rng.random() < 0.3 and live:
+            victim = rng.choice(sorted(live))
+            assert engine.abort_request(victim)
+            live.discard(victim)
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert engine.spec_stats.num_drafts > 50
+    assert engine.num_free_blocks == engine.block_manager.num_blocks
