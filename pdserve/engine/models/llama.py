@@ -124,15 +124,46 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
-        """``input_ids [num_tokens] int64 -> hidden [num_tokens, hidden_size]``."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+        attn_metadata: Any, aux_layer_ids: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids [num_tokens] int64 -> hidden [num_tokens, hidden_size]``.
+
+        With ``aux_layer_ids`` (EAGLE-3 feature fusion) it also returns ``aux
+        [num_tokens, len(aux_layer_ids) * hidden_size]``: for each id ``i``, in the given
+        order, the residual stream entering layer ``i`` (``hidden + residual``, i.e. the
+        output of layer ``i - 1``; ``i = 0`` is the embedding), which is Hugging Face's
+        ``output_hidden_states[i]`` and vLLM's ``eagle_aux_hidden_state_layer_ids``.
+        """
+        if aux_layer_ids:
+            return self._forward_with_aux(input_ids, positions, kv_caches, attn_metadata,
+                                          aux_layer_ids)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _forward_with_aux(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+        attn_metadata: Any, aux_layer_ids: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` that also collects the layer inputs named by ``aux_layer_ids``."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        captured: dict[int, torch.Tensor] = {}
+        for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if idx in aux_layer_ids:
+                captured[idx] = hidden if residual is None else hidden + residual
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        missing = [i for i in aux_layer_ids if i not in captured]
+        if missing:
+            raise ValueError(f"aux_layer_ids {missing} are not layers of this model "
+                             f"(0 .. {len(self.layers) - 1})")
+        return hidden, torch.cat([captured[i] for i in aux_layer_ids], dim=-1)
 
 
 #: HF checkpoint name fragment -> (our fused parameter fragment, shard index).
@@ -159,10 +190,16 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
-        """``input_ids [num_tokens] -> hidden [num_tokens, hidden_size]`` (no logits)."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+        attn_metadata: Any, aux_layer_ids: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids [num_tokens] -> hidden [num_tokens, hidden_size]`` (no logits).
+
+        With ``aux_layer_ids``: ``(hidden, aux [num_tokens, len(ids) * hidden_size])``, see
+        :meth:`LlamaModel.forward`.
+        """
+        return self.model(input_ids, positions, kv_caches, attn_metadata, aux_layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size]`` fp32."""
