@@ -151,3 +151,29 @@ def test_no_blocks_leak_after_200_requests_with_aborts(qwen3):
         engine.step()
     assert engine.spec_stats.num_drafts > 50
     assert engine.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.fixture(scope="module", params=["eagle1", "eagle3"])
+def eagle_head(qwen3, request, tmp_path_factory):
+    """A random-weight EAGLE head in the official layout for the tiny Qwen3."""
+    from test_eagle_model import head_hf_config, random_official_tensors, write_head
+
+    from pdserve.engine.spec_decode.eagle_features import load_target_model
+
+    target = load_target_model(qwen3[0], 256)
+    hf = head_hf_config(target, request.param)
+    hf["head_dim"] = target.cfg.head_dim
+    folder = tmp_path_factory.mktemp(f"head_{request.param}")
+    return write_head(folder, hf, random_official_tensors(target, request.param))
+
+
+def test_eagle_greedy_output_equals_plain_decoding(qwen3, eagle_head):
+    path, plain = qwen3
+    prompts = _prompts()
+    params = _mixed_params(plain)
+    expected = _greedy(LLM(str(path), dtype="float32", load_progress=False), prompts, params)
+    llm = LLM(str(path), dtype="float32", load_progress=False, speculative_method="eagle",
+              num_speculative_tokens=K, speculative_model=str(eagle_head))
+    assert _greedy(llm, prompts, params) == expected
+    assert llm.engine.spec_stats.num_drafts > 0
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

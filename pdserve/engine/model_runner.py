@@ -63,13 +63,15 @@ class StepHidden:
     """The last step's target hidden states, for drafters that read them (EAGLE).
 
     Attributes:
-        hidden: ``[num_tokens, hidden_size]`` final (normed) hidden states of the step.
+        features: ``[num_tokens, hidden_size]`` final (normed) hidden states of the step, or
+            with ``ModelRunner.aux_layer_ids`` the fused layer outputs
+            ``[num_tokens, len(aux_layer_ids) * hidden_size]``.
         query_starts: per scheduled request (schedule order), its first row in ``hidden``.
         num_computed_before: per scheduled request, its computed tokens before the step
             (row ``query_starts[i] + j`` is position ``num_computed_before[i] + j``).
     """
 
-    hidden: torch.Tensor
+    features: torch.Tensor
     query_starts: list[int]
     num_computed_before: list[int]
 
@@ -148,6 +150,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.last_step: StepHidden | None = None
+        #: target layers whose outputs the step also returns (set by an EAGLE-3 drafter)
+        self.aux_layer_ids: tuple[int, ...] = ()
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
 
@@ -211,10 +215,15 @@ class ModelRunner:
             num_decodes=sched.num_decodes, block_size=bs,
         )
         metadata = self.backend.build_metadata(attn_inputs)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)
+        features = None
+        if self.aux_layer_ids:  # EAGLE-3 fuses several target layers
+            hidden, features = self.model(ids_t, pos_t, self.kv_caches, metadata,
+                                          aux_layer_ids=self.aux_layer_ids)
+        else:
+            hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)
         #: kept for the drafter: this step's hidden states, each scheduled request's first
         #: row in them and its num_computed_tokens before the step
-        self.last_step = StepHidden(hidden, query_starts,
+        self.last_step = StepHidden(hidden if features is None else features, query_starts,
                                     [s.request.num_computed_tokens for s in sched.scheduled])
         results: dict[str, tuple[list[int], list[TokenLogprob] | None, int, int]] = {}
         if plain:

@@ -93,6 +93,10 @@ class ModelProposer:
         """``[N]`` ids/positions (+ ``[N, H]`` hidden for EAGLE) -> ``[N, H]`` drafter states."""
         raise NotImplementedError
 
+    def _ingest_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[R, H]`` inputs of the ingested rows of the last target step (EAGLE only)."""
+        raise NotImplementedError
+
     def _chain_hidden(self, out_hidden: torch.Tensor) -> torch.Tensor | None:
         """What the next chained step takes as ``hidden`` (EAGLE: its own output)."""
         return None
@@ -205,8 +209,7 @@ class ModelProposer:
             block_size=self.block_size))
         hidden = None
         if hidden_rows:
-            rows = torch.tensor(hidden_rows, dtype=torch.int64, device=dev)
-            hidden = self.runner.last_step.hidden[rows]
+            hidden = self._ingest_hidden(torch.tensor(hidden_rows, dtype=torch.int64, device=dev))
         out = self._forward(torch.tensor(ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev), hidden, meta)
         return out[torch.tensor(last_rows, dtype=torch.int64, device=dev)]
