@@ -35,7 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="draft tokens per step (k); k + 1 positions are verified at once")
     s.add_argument("--speculative-model", default=None,
-                   help="draft model folder (method draft) or EAGLE head folder (method eagle)")
+                   help="draft model folder (method draft) or EAGLE head folder (method eagle; "
+                        "\"default\" = the head shipped for the default model)")
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:

@@ -14,6 +14,9 @@ prefill worker) keep whatever those slots held: drafts get worse there, never th
 
 from __future__ import annotations
 
+from importlib import resources
+from pathlib import Path
+
 import torch
 
 from pdserve.engine.block_manager import BlockManager
@@ -21,6 +24,19 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.eagle import load_eagle_model
 from pdserve.engine.spec_decode.model_proposer import ModelProposer, _Draft
+
+
+#: ``--speculative-model default``: the EAGLE head shipped for the embedded default model
+#: (SmolLM2-135M-Instruct); how it was trained is in its README.md.
+DEFAULT_EAGLE_HEAD = "default"
+
+
+def eagle_head_path(name: str) -> Path:
+    """The head folder ``--speculative-model`` names (``default``: the shipped one)."""
+    if name == DEFAULT_EAGLE_HEAD:
+        return Path(str(resources.files("pdserve.data").joinpath("eagle",
+                                                                 "smollm2-135m-instruct")))
+    return Path(name)
 
 
 class EagleProposer(ModelProposer):
@@ -32,7 +48,7 @@ class EagleProposer(ModelProposer):
 
     def __init__(self, config: EngineConfig, runner, block_manager: BlockManager,
                  max_model_len: int) -> None:
-        model = load_eagle_model(config.speculative_model, runner.model, runner.backend,
+        model = load_eagle_model(eagle_head_path(config.speculative_model), runner.model, runner.backend,
                                  max_model_len, runner.dtype)
         super().__init__(config, runner, block_manager, max_model_len,
                          model.num_layers, model.num_kv_heads, model.head_dim)

@@ -1,0 +1,91 @@
+"""Decode speed with and without speculative decoding, same prompts, same run.
+
+SmolLM2-135M-Instruct on CPU: chat prompts built from held-out Brown-corpus excerpts and
+generic questions, greedy, 64 output tokens, at batch 1 and batch 16. For each proposer
+(none, ngram, draft = the target itself, eagle = the shipped head) prints output tokens/s,
+the ratio to no speculation measured in the same run, the mean acceptance length and the
+acceptance rate per draft position.
+
+    python bench/spec_decode.py [--methods none,ngram,eagle,draft] [--batch-sizes 1,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+QUESTIONS = [
+    "Summarize in one sentence: the committee met on Tuesday to discuss the new budget, "
+    "which raises spending on schools and roads while cutting administrative costs.",
+    "Continue this text: It was late in the evening when the train finally pulled into the "
+    "small station, and the few passengers who stepped down",
+    "Explain what photosynthesis is to a ten-year-old.",
+    "Write three short tips for staying focused while studying.",
+    "What are the main differences between a city and a village?",
+    "Describe the water cycle in a few sentences.",
+    "Give a short definition of democracy.",
+    "Why do leaves change colour in autumn?",
+]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default="none,ngram,eagle,draft")
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+def run(method: str, batch_size: int, args, prompts_text: list[str]) -> dict:
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.loader.default_model import resolve_model
+
+    model = {"none": None, "ngram": None, "eagle": "default",
+             "draft": str(resolve_model(None))}[method]
+    llm = LLM(None, dtype=args.dtype, load_progress=False, speculative_method=method,
+              num_speculative_tokens=args.num_speculative_tokens, speculative_model=model)
+    prompts = [llm.chat_prompt_ids([{"role": "user", "content": q}])
+               for q in (prompts_text * 4)[:batch_size]]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4), detokenize=False)  # warm-up
+    llm.engine.spec_stats.__init__(args.num_speculative_tokens)
+    t0 = time.perf_counter()
+    total = 0
+    # batch 1: one request at a time, so every step is a batch of one
+    groups = [[p] for p in prompts] if batch_size == 1 else [prompts]
+    for group in groups:
+        outs = llm.generate(group, params, detokenize=False)
+        total += sum(len(o.outputs[0].token_ids) for o in outs)
+    elapsed = time.perf_counter() - t0
+    stats = llm.engine.spec_stats
+    per_pos = [n / stats.num_drafts for n in stats.num_accepted_tokens_per_pos] \
+        if stats.num_drafts else []
+    return {"tok_s": total / elapsed, "acceptance_length": stats.mean_acceptance_length,
+            "per_position": per_pos}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    methods = args.methods.split(",")
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        base = None
+        for method in methods:
+            r = run(method, bs, args, QUESTIONS)
+            if method == "none":
+                base = r["tok_s"]
+            ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
+            acc = (f"acceptance length {r['acceptance_length']:.2f}, per position "
+                   + " ".join(f"{x:.2f}" for x in r["per_position"])
+                   if r["acceptance_length"] else "")
+            print(f"batch {bs:3d} {method:6s}: {r['tok_s']:7.1f} tok/s ({ratio} of none) {acc}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
