@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -54,20 +55,35 @@ def test_every_dashboard_metric_is_exposed_by_a_live_server_or_worker(cluster):
     long_text = " ".join(["The river wound slowly through the quiet valley."] * 12)
     usage = chat(cluster, long_text, 4)["usage"]  # remote prefill: KV pushed over zmq
     assert usage["prompt_tokens"] >= 64
-    exposed = set()
-    for url in cluster.metrics_urls().values():
-        exposed |= sample_names(scrape(url))
     dash = json.loads(DASHBOARD.read_text())
     queried = {name for panel in dash["panels"] for target in panel["targets"]
                for name in METRIC_NAME.findall(target["expr"])}
     assert len(queried) >= 20
+    deadline = time.monotonic() + 10.0  # the KV push is reported just after the response
+    while True:
+        exposed = set()
+        for url in cluster.metrics_urls().values():
+            exposed |= sample_names(scrape(url))
+        if not queried - exposed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert sorted(queried - exposed) == []
 
 
 def test_worker_kv_transfer_counters_match_the_server(cluster):
     long_text = " ".join(["Merchants came from the coast with salt and cloth."] * 12)
     chat(cluster, long_text, 2)
-    m = {role: scrape(url) for role, url in cluster.metrics_urls().items()}
+    # The prefill worker counts a push once its send returned, which may be a moment after
+    # the decode worker already used the KV: read until the three views settle.
+    deadline = time.monotonic() + 10.0
+    while True:
+        m = {role: scrape(url) for role, url in cluster.metrics_urls().items()}
+        views = {total(m["prefill"], "pdserve:kv_transfer_bytes_sent_total"),
+                 total(m["decode"], "pdserve:kv_transfer_bytes_received_total"),
+                 total(m["api"], "pdserve:kv_transfer_bytes_total")}
+        if len(views) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     sent = total(m["prefill"], "pdserve:kv_transfer_bytes_sent_total")
     assert sent > 0
     assert total(m["decode"], "pdserve:kv_transfer_bytes_received_total") == sent
