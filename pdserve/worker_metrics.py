@@ -53,6 +53,7 @@ class WorkerCollector:
         return c
 
     def collect(self) -> Iterator[Metric]:
+        """One family per series, read from the worker now (called on each scrape)."""
         w = self.worker
         load = w.load()
         kv = w.kv_transfer_totals()

@@ -26,6 +26,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def sample_names(samples: dict[str, float]) -> set[str]:
+    """The sample names (``pdserve:x_total``, ``..._bucket``) without labels."""
     return {key.split("{", 1)[0] for key in samples}
 
 

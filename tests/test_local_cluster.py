@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,18 @@ def test_local_cluster_serves_through_namespaces_and_tears_down_cleanly(cluster,
     local.down(cluster.name)
     assert not [ns for ns in list_namespaces() if ns.startswith(f"{cluster.name}-")]
     assert not [pid for pid in pids if pid_alive(pid)]
+    assert processes_mentioning(cluster.name) == []  # workers carry it in --worker-id
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live pids whose command line contains ``text`` (this test's own excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmdline and pid_alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found

@@ -74,12 +74,14 @@ class ClusterState:
                 for h in self.hosts}
 
     def save(self) -> None:
+        """Write ``state.json`` (after every started process, so ``--down`` finds it)."""
         path = state_dir(self.name) / "state.json"
         path.write_text(json.dumps({"name": self.name, "pids": self.pids,
                                     "hosts": [asdict(h) for h in self.hosts]}, indent=2))
 
     @classmethod
     def load(cls, name: str) -> ClusterState | None:
+        """The saved state of cluster ``name``, or None when there is none."""
         path = state_dir(name) / "state.json"
         if not path.exists():
             return None

@@ -61,6 +61,7 @@ def namespace_pids(namespace: str) -> list[int]:
 
 
 def hub_namespace(name: str) -> str:
+    """The namespace holding cluster ``name``'s bridge."""
     return f"{name}-hub"
 
 
