@@ -1,4 +1,5 @@
-"""``pdserve`` command line: ``serve``, ``server``, ``decode-worker``, ``pull``, ``generate``."""
+"""``pdserve`` command line: ``serve``, ``server``, ``decode-worker``, ``prefill-worker``,
+``pull``, ``generate``, ``bench``, ``local-cluster``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pdserve.benchmark.serve import run_bench
+
+    result = run_bench(args)
+    return 0 if result["completed"] else 1
+
+
+def _cmd_local_cluster(args: argparse.Namespace) -> int:
+    from pdserve.cluster import local
+    from pdserve.engine.arg_utils import engine_args_to_argv
+
+    if args.down:
+        deleted = local.down(args.name)
+        print(f"pdserve: cluster {args.name} down ({len(deleted)} namespaces removed)")
+        return 0
+    server_argv = ["--prefill-threshold", str(args.prefill_threshold),
+                   "--kv-failure-policy", args.kv_failure_policy]
+    if args.max_model_len:
+        server_argv += ["--max-model-len", str(args.max_model_len)]
+    engine_argv = engine_args_to_argv(args) + ["--kv-transport", args.kv_transport]
+    state = local.up(args.name, args.num_prefill, args.num_decode, args.model, engine_argv,
+                     server_argv, timeout_s=args.ready_timeout, subnet=args.subnet)
+    print(f"pdserve: cluster {args.name} ready; API at {state.base_url}/v1 inside namespace "
+          f"{state.api.namespace}, e.g.\n  ip netns exec {state.api.namespace} curl -s "
+          f"{state.base_url}/v1/models\nlogs: {local.state_dir(args.name)}; stop with "
+          f"`pdserve local-cluster --down --name {args.name}`")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.engine.arg_utils import engine_args_to_argv, engine_config_from_args
     from pdserve.launcher import run_serve
@@ -78,6 +108,13 @@ def _add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="transport pushing KV from prefill to decode workers")
     g.add_argument("--kv-transfer-timeout", type=float, default=10.0,
                    help="seconds each stage of a KV transfer may take")
+    if role == "decode":
+        g.add_argument("--kv-host", default="127.0.0.1",
+                       help="address the KV receiver binds and advertises to prefill "
+                            "workers; 'auto': all interfaces, advertising the local address "
+                            "of the route to the router (containers, pods, namespaces)")
+        g.add_argument("--kv-port", type=int, default=0,
+                       help="port of the KV receiver (0: a free one)")
     if role in ("serve", "prefill"):
         g.add_argument("--kv-transfer-dtype", default="fp8", choices=["fp8", "auto"],
                        help="fp8: e4m3 with per-block, per-head scales; auto: the cache dtype")
@@ -118,6 +155,7 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pdserve.benchmark.cli_args import add_bench_args
     from pdserve.engine.arg_utils import add_engine_args
 
     parser = argparse.ArgumentParser(prog="pdserve", description=(
@@ -162,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="router address, e.g. tcp://127.0.0.1:5557")
         p.add_argument("--worker-id", default=None, help="unique worker name (default: "
                        "role-host-pid)")
+        p.add_argument("--metrics-port", type=int, default=0,
+                       help="serve this worker's Prometheus /metrics on this port (0: off)")
+        p.add_argument("--metrics-host", default="127.0.0.1",
+                       help="address the /metrics server binds")
         _add_kv_args(p, role)
         add_engine_args(p)
         p.set_defaults(func=func)
@@ -179,6 +221,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
+    p = sub.add_parser("local-cluster", help="run api, prefill and decode roles as processes, "
+                       "each in its own network namespace joined by veth pairs (root only)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--name", default="pdc", help="cluster name: prefix of its namespaces")
+    p.add_argument("--down", action="store_true", help="stop the cluster and remove its "
+                   "namespaces")
+    p.add_argument("--num-prefill", type=int, default=2, help="prefill namespaces")
+    p.add_argument("--num-decode", type=int, default=1, help="decode namespaces")
+    p.add_argument("--subnet", default="10.77.0", help="first three octets of the /24 used "
+                   "inside the namespaces")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for every role to be ready")
+    p.add_argument("--kv-transport", default="zmq", choices=["zmq", "ucx"])
+    _add_routing_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_local_cluster)
+
+    p = sub.add_parser("bench", help="load an OpenAI-compatible endpoint; report TTFT, TPOT, "
+                                      "ITL, E2E latency and throughput like vllm bench serve")
+    add_bench_args(p)
+    p.set_defaults(func=_cmd_bench)
     for p in sub.choices.values():
         p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser

@@ -175,33 +175,56 @@ def run_server(args: argparse.Namespace) -> int:
     return asyncio.run(_serve_http(state, args.host, args.port, [], False))
 
 
+def _run_worker(args: argparse.Namespace, make_worker) -> int:
+    """Load the engine, build the worker with ``make_worker(engine, worker_id, model_name)``,
+    serve its ``/metrics`` when ``--metrics-port`` is set, and run it until stopped."""
+    from pdserve.engine.arg_utils import engine_config_from_args
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.worker_metrics import WorkerMetricsServer
+
+    if not 0 <= args.metrics_port < 65536:
+        raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    role = "decode" if args.command == "decode-worker" else "prefill"
+    config = engine_config_from_args(args, args.model)
+    if role == "prefill":  # it samples one token per request: nothing to speculate on
+        config = dataclasses.replace(config, speculative_method="none", speculative_model=None)
+    engine = LLMEngine(config)
+    name = args.served_model_name or served_model_name(args.model, engine.model_path)
+    worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+    worker = make_worker(engine, worker_id, name)
+    metrics_server = None
+    if args.metrics_port:
+        try:
+            metrics_server = WorkerMetricsServer(worker, args.metrics_host, args.metrics_port)
+        except OSError as exc:
+            worker.close()
+            raise ValueError(f"cannot serve /metrics on {args.metrics_host}:"
+                             f"{args.metrics_port}: {exc.strerror}") from None
+    try:
+        worker.run()
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+    return 0
+
+
 def run_decode_worker(args: argparse.Namespace) -> int:
     """``pdserve decode-worker``: load the engine, register with the router, serve."""
     from pdserve.decode_worker.worker import DecodeWorker
-    from pdserve.engine.arg_utils import engine_config_from_args
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.kvtransfer.addressing import kv_listen_address
 
-    engine = LLMEngine(engine_config_from_args(args, args.model))
-    name = args.served_model_name or served_model_name(args.model, engine.model_path)
-    worker_id = args.worker_id or f"decode-{socket.gethostname()}-{os.getpid()}"
-    DecodeWorker(engine, args.router, worker_id, name, kv_transport=args.kv_transport,
-                 kv_transfer_timeout_s=args.kv_transfer_timeout).run()
-    return 0
+    listen = kv_listen_address(args.kv_host, args.kv_port, args.router)
+    return _run_worker(args, lambda engine, worker_id, name: DecodeWorker(
+        engine, args.router, worker_id, name, kv_transport=args.kv_transport,
+        kv_transfer_timeout_s=args.kv_transfer_timeout, kv_address=listen.bind,
+        kv_advertise_host=listen.advertise_host))
 
 
 def run_prefill_worker(args: argparse.Namespace) -> int:
     """``pdserve prefill-worker``: load the engine, register with the router, prefill."""
-    from pdserve.engine.arg_utils import engine_config_from_args
-    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.prefill_worker.worker import PrefillWorker
 
-    # a prefill worker samples one token per request: nothing to speculate on
-    config = dataclasses.replace(engine_config_from_args(args, args.model),
-                                 speculative_method="none", speculative_model=None)
-    engine = LLMEngine(config)
-    name = args.served_model_name or served_model_name(args.model, engine.model_path)
-    worker_id = args.worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}"
-    PrefillWorker(engine, args.router, worker_id, name, kv_transport=args.kv_transport,
-                  kv_transfer_dtype=args.kv_transfer_dtype,
-                  kv_transfer_timeout_s=args.kv_transfer_timeout).run()
-    return 0
+    return _run_worker(args, lambda engine, worker_id, name: PrefillWorker(
+        engine, args.router, worker_id, name, kv_transport=args.kv_transport,
+        kv_transfer_dtype=args.kv_transfer_dtype,
+        kv_transfer_timeout_s=args.kv_transfer_timeout))

@@ -12,6 +12,7 @@ import time
 import zmq
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.worker_metrics import KVTransferTotals
 from pdserve.messages import (
     AbortRequests,
     Heartbeat,
@@ -78,6 +79,10 @@ class EngineWorker:
 
     def after_step(self, deltas) -> None:
         """Called with each step's deltas."""
+
+    def kv_transfer_totals(self) -> KVTransferTotals:
+        """Cumulative KV-transfer counters (for ``/metrics``; read from another thread)."""
+        return KVTransferTotals()
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests

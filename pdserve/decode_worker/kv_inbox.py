@@ -16,6 +16,7 @@ import time
 import torch
 
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError, KVTransferTimeout
+from pdserve.kvtransfer.addressing import replace_tcp_host
 from pdserve.kvtransfer.transport import KVReceiverConfig, create_transport
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class KVInbox:
         num_layers: layers of the model (a request is complete when all have arrived).
         cache_dtype: dtype the KV is dequantized to.
         stale_after_s: partial requests not touched this long are dropped.
+        address: where to listen; None: the transport's loopback default.
+        advertise_host: host written into :attr:`address` in place of the bound one (for a
+            receiver bound on ``0.0.0.0``); None: the bound address as it is.
 
     ``ready`` yields ``(request_id, kv)`` with ``kv`` a
     ``[num_layers, 2, num_blocks, block_size, H, D]`` tensor, or ``(request_id, reason)``
@@ -41,11 +45,14 @@ class KVInbox:
     """
 
     def __init__(self, transport_name: str, num_layers: int, cache_dtype: torch.dtype,
-                 stale_after_s: float = 30.0) -> None:
+                 stale_after_s: float = 30.0, address: str | None = None,
+                 advertise_host: str | None = None) -> None:
         self.transport = create_transport(transport_name)
-        self.receiver = self.transport.create_receiver(
-            KVReceiverConfig(max_message_bytes=MAX_KV_MESSAGE_BYTES, num_buffers=2))
+        self.receiver = self.transport.create_receiver(KVReceiverConfig(
+            address=address, max_message_bytes=MAX_KV_MESSAGE_BYTES, num_buffers=2))
         self.address = self.receiver.address
+        if advertise_host is not None:
+            self.address = replace_tcp_host(self.address, advertise_host)
         self.num_layers = num_layers
         self.cache_dtype = cache_dtype
         self.stale_after_s = stale_after_s

@@ -35,6 +35,7 @@ from pdserve.messages import (
     StepOutputs,
 )
 from pdserve.worker_base import EngineWorker
+from pdserve.worker_metrics import KVTransferTotals
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +57,25 @@ class DecodeWorker(EngineWorker):
     Args:
         kv_transport: transport name for receiving KV, or None to accept no remote prefill.
         kv_transfer_timeout_s: deadline from the first token (end of prefill) to a complete KV.
+        kv_address: where the KV receiver listens (``tcp://HOST:PORT``, port ``*`` for any);
+            None: the transport's loopback default.
+        kv_advertise_host: host prefill workers connect to when it differs from the bound
+            one (``kv_address`` on ``0.0.0.0``); None: the bound address as it is.
     """
 
     role = "decode"
 
     def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
                  model_name: str, heartbeat_interval_s: float = 1.0,
-                 kv_transport: str | None = "zmq", kv_transfer_timeout_s: float = 10.0) -> None:
+                 kv_transport: str | None = "zmq", kv_transfer_timeout_s: float = 10.0,
+                 kv_address: str | None = None, kv_advertise_host: str | None = None) -> None:
         super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s)
         self.kv_transport = kv_transport
         self.kv_transfer_timeout_s = kv_transfer_timeout_s
         self.inbox = None
         if kv_transport is not None:
-            self.inbox = KVInbox(kv_transport, engine.arch.num_layers, engine.runner.dtype)
+            self.inbox = KVInbox(kv_transport, engine.arch.num_layers, engine.runner.dtype,
+                                 address=kv_address, advertise_host=kv_advertise_host)
         self.parked: dict[str, ParkedRequest] = {}
 
     def registration_extras(self) -> dict:
@@ -158,6 +165,11 @@ class DecodeWorker(EngineWorker):
         if deltas:
             self.num_requests_served += sum(d.finished for d in deltas)
             self.send(StepOutputs(self.worker_id, deltas))
+
+    def kv_transfer_totals(self) -> KVTransferTotals:
+        if self.inbox is None:
+            return KVTransferTotals()
+        return KVTransferTotals(num_bytes_received=self.inbox.num_bytes_received)
 
     def close(self) -> None:
         if self.inbox is not None:

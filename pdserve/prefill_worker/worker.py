@@ -17,6 +17,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import KVSent, PrefillDone, PrefillRequest, RequestFailed
 from pdserve.prefill_worker.kv_sender import KVJob, KVSenderThread
 from pdserve.worker_base import EngineWorker
+from pdserve.worker_metrics import KVTransferTotals
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class PrefillWorker(EngineWorker):
         self.sender = KVSenderThread(kv_transport, kv_transfer_dtype == "fp8",
                                      kv_transfer_timeout_s, self._on_sent)
         self.pending: dict[str, tuple[PrefillRequest, float]] = {}
+        self.num_kv_bytes_sent = 0  # written by the sender thread only
+        self.num_kv_transfers_sent = 0
+        self.num_kv_transfers_failed = 0
 
     def handle(self, msg) -> None:
         if isinstance(msg, PrefillRequest):
@@ -82,7 +86,17 @@ class PrefillWorker(EngineWorker):
 
     def _on_sent(self, request_id: str, num_bytes: int, seconds: float,
                  error: str | None) -> None:
+        self.num_kv_bytes_sent += num_bytes
+        if error is None:
+            self.num_kv_transfers_sent += 1
+        else:
+            self.num_kv_transfers_failed += 1
         self.send(KVSent(self.worker_id, request_id, num_bytes, seconds, error))
+
+    def kv_transfer_totals(self) -> KVTransferTotals:
+        return KVTransferTotals(num_bytes_sent=self.num_kv_bytes_sent,
+                                num_transfers_sent=self.num_kv_transfers_sent,
+                                num_transfers_failed=self.num_kv_transfers_failed)
 
     def close(self) -> None:
         self.sender.close()

@@ -1,0 +1,1 @@
+"""``pdserve bench``: a load generator for OpenAI-compatible endpoints (see :mod:`.serve`)."""

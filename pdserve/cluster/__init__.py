@@ -1,0 +1,1 @@
+"""Running the deployment topology locally (network namespaces, processes)."""

@@ -1,0 +1,115 @@
+"""Prometheus series of one worker process (``pdserve decode-worker|prefill-worker
+--metrics-port N``), served by a small HTTP server on its own thread.
+
+Every value is read from the worker when ``/metrics`` is scraped (plain counters and the
+same load snapshot the heartbeats carry), so the engine loop does no metrics work at all.
+Series carry ``model_name``, ``worker_id`` and ``role`` labels; names and suffixes follow
+the API server's (``pdserve:num_requests_running``, ``pdserve:prompt_tokens_total``, ...),
+so a dashboard tells the two apart by the ``role`` label, which only workers set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+@dataclass(frozen=True)
+class KVTransferTotals:
+    """Cumulative KV-transfer counters of one worker (zero where a role does not transfer).
+
+    Attributes:
+        num_bytes_sent: payload + scale bytes pushed to decode workers.
+        num_bytes_received: payload + scale bytes received from prefill workers.
+        num_transfers_sent: requests whose KV was pushed successfully.
+        num_transfers_failed: pushes that failed.
+    """
+
+    num_bytes_sent: int = 0
+    num_bytes_received: int = 0
+    num_transfers_sent: int = 0
+    num_transfers_failed: int = 0
+
+
+class WorkerCollector:
+    """A prometheus_client collector over an :class:`~pdserve.worker_base.EngineWorker`."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.label_names = ["model_name", "worker_id", "role"]
+        self.label_values = [worker.model_name, worker.worker_id, worker.role]
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=self.label_names)
+        g.add_metric(self.label_values, value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=self.label_names)
+        c.add_metric(self.label_values, value)
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per series, read from the worker now (called on each scrape)."""
+        w = self.worker
+        load = w.load()
+        kv = w.kv_transfer_totals()
+        yield self._gauge("pdserve:worker_registered", "1 once the router acknowledged this "
+                          "worker's registration.", float(w.is_registered))
+        yield self._gauge("pdserve:num_requests_running", "Requests in model execution "
+                          "batches.", load.num_running)
+        yield self._gauge("pdserve:num_requests_waiting", "Requests waiting to be processed.",
+                          load.num_waiting)
+        yield self._gauge("pdserve:kv_cache_usage_perc", "KV-cache usage. 1 means 100 "
+                          "percent usage.", load.kv_cache_usage)
+        yield self._gauge("pdserve:num_free_kv_blocks", "Free KV-cache blocks.",
+                          load.num_free_blocks)
+        yield self._counter("pdserve:prompt_tokens", "Number of prefill tokens processed.",
+                            w.engine.num_prompt_tokens)
+        yield self._counter("pdserve:generation_tokens", "Number of generation tokens "
+                            "processed.", w.engine.num_generation_tokens)
+        yield self._counter("pdserve:num_preemptions", "Cumulative number of preemptions.",
+                            load.num_preemptions)
+        yield self._counter("pdserve:prefix_cache_queries", "Prompt tokens looked up in the "
+                            "prefix cache.", load.num_prefix_queried_tokens)
+        yield self._counter("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix "
+                            "cache.", load.num_prefix_hit_tokens)
+        yield self._counter("pdserve:worker_requests_finished", "Requests this worker "
+                            "finished (prefills, for a prefill worker).",
+                            load.num_requests_served)
+        yield self._counter("pdserve:kv_transfer_bytes_sent", "KV bytes pushed to decode "
+                            "workers.", kv.num_bytes_sent)
+        yield self._counter("pdserve:kv_transfer_bytes_received", "KV bytes received from "
+                            "prefill workers.", kv.num_bytes_received)
+        yield self._counter("pdserve:kv_transfers_sent", "Requests whose KV was pushed.",
+                            kv.num_transfers_sent)
+        yield self._counter("pdserve:kv_transfers_failed", "KV pushes that failed.",
+                            kv.num_transfers_failed)
+
+
+class WorkerMetricsServer:
+    """``/metrics`` of one worker on ``host:port`` (any path answers with the metrics).
+
+    Args:
+        worker: the worker to report on.
+        host: address to bind.
+        port: TCP port (1..65535).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+
+    def __init__(self, worker, host: str, port: int) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(WorkerCollector(worker))
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._httpd.server_port
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=2.0)
