@@ -88,6 +88,19 @@ class WorkerCollector:
                             kv.num_transfers_sent)
         yield self._counter("pdserve:kv_transfers_failed", "KV pushes that failed.",
                             kv.num_transfers_failed)
+        yield self._counter("pdserve:spec_decode_num_drafts", "Speculative drafts verified.",
+                            load.num_spec_drafts)
+        yield self._counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                            load.num_spec_draft_tokens)
+        yield self._counter("pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            load.num_spec_accepted_tokens)
+        per_pos = CounterMetricFamily(
+            "pdserve:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by draft position (0 = first draft token).",
+            labels=self.label_names + ["position"])
+        for pos, count in enumerate(load.num_spec_accepted_tokens_per_pos):
+            per_pos.add_metric(self.label_values + [str(pos)], count)
+        yield per_pos
 
 
 class WorkerMetricsServer:

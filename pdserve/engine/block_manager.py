@@ -146,6 +146,17 @@ class BlockManager:
         for _ in range(self._num_missing_blocks(request, num_new_tokens)):
             request.block_table.append(self._take_free_block())
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's trailing blocks past the first ``num_tokens`` slots (rolls back
+        slots reserved for speculative tokens that were rejected)."""
+        keep = self.num_blocks_for(num_tokens)
+        while len(request.block_table) > keep:
+            block = self.blocks[request.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, "block freed twice"
+            if block.ref_count == 0:
+                self.free_block_ids[block.block_id] = None
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:

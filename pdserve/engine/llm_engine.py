@@ -256,6 +256,8 @@ class LLMEngine:
             # rejected drafts' K/V stays in the slots past num_computed_tokens (overwritten later)
             rejected = s.num_spec_tokens - num_accepted.get(req.request_id, s.num_spec_tokens)
             req.num_computed_tokens += s.num_new_tokens - rejected
+            if rejected:  # roll back: blocks that only held rejected drafts go back
+                self.block_manager.trim(req, req.num_computed_tokens + 1)
             self.block_manager.cache_computed_blocks(req)
         deltas: list[RequestDelta] = []
         finished: set[str] = set()
