@@ -117,6 +117,27 @@ def test_routing_by_threshold_counted_by_the_workers(disagg_bf16):
     assert delta("local") == 3 and delta("remote_prefill") == 2 and delta("fallback") == 0
 
 
+def test_follow_up_on_a_cached_long_prefix_is_prefilled_by_the_decode_worker(disagg_bf16):
+    """The threshold counts only tokens the decode worker does not hold already."""
+    served = "pdserve:worker_requests_served{role=prefill,worker_id="
+    prompt = long_prompt(7)
+    complete(disagg_bf16, prompt, max_tokens=4)  # long and new: prefilled remotely
+    time.sleep(1.5)
+    before = wait_idle(disagg_bf16)
+    follow_up = prompt + " the town changed. What happened next?"
+    complete(disagg_bf16, follow_up, max_tokens=4)
+    time.sleep(1.5)  # one heartbeat carries the workers' own counts
+    after = metrics(disagg_bf16)
+
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("pdserve:route_decisions_total{route=local}") == 1
+    assert delta("pdserve:route_decisions_total{route=remote_prefill}") == 0
+    assert sum(v for k, v in after.items() if k.startswith(served)) == \
+        sum(v for k, v in before.items() if k.startswith(served))
+
+
 @pytest.mark.slow
 def test_fp8_kv_keeps_greedy_tokens_for_nine_of_ten_prompts(colocated):
     srv = ServerProcess("--kv-transfer-dtype", "fp8", colocated=False)

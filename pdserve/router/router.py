@@ -8,8 +8,10 @@ Runs inside the API server's asyncio loop. Public surface::
     async for delta in handle: ...      # RequestDelta objects until finished
     router.abort(request_id)            # e.g. client went away
 
-Routes (length-threshold policy): prompts shorter than ``prefill_threshold`` tokens go to
-the least-loaded decode worker, which prefills them itself (``local``); longer ones are
+Routes (length-threshold policy): prompts with fewer than ``prefill_threshold`` tokens not
+already cached on the chosen decode worker (as far as the router can tell, see
+:mod:`pdserve.router.prefix_index`) go to the least-loaded decode worker (among equally
+loaded ones, the one holding the longest prefix), which prefills them itself (``local``); longer ones are
 prefilled by the least-loaded prefill worker and their KV pushed to a decode worker that
 reserved blocks first (``remote_prefill``); with no prefill worker alive they fall back to
 a decode worker (``fallback``). The handshake::
@@ -54,6 +56,7 @@ from pdserve.messages import (
     ShutdownWorker,
     StepOutputs,
 )
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -174,6 +177,8 @@ class Router:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.address = self._bind(address)
         self.handles: dict[str, RequestHandle] = {}
+        #: decode worker id -> prompt prefixes it is believed to hold in its prefix cache
+        self.prefix_indexes: dict[str, PrefixIndex] = {}
         self.worker_registered = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -225,11 +230,11 @@ class Router:
         if self.num_inflight >= self.max_num_inflight:
             raise NoWorkerAvailable(
                 f"server is at its limit of {self.max_num_inflight} requests in flight")
-        decode = self.registry.least_loaded("decode")
+        decode, num_cached = self._choose_decode(prompt_token_ids)
         if decode is None:
             raise NoWorkerAvailable("no decode worker is available")
         route = "local"
-        if len(prompt_token_ids) >= self.routing.prefill_threshold:
+        if len(prompt_token_ids) - num_cached >= self.routing.prefill_threshold:
             prefill = self.registry.least_loaded("prefill")
             if prefill is not None and decode.info.kv_address:
                 route = "remote_prefill"
@@ -238,6 +243,7 @@ class Router:
                 logger.info("no prefill worker for %s (%d tokens); prefilling on %s",
                             request_id, len(prompt_token_ids), decode.worker_id)
         self._count("route_decisions", route)
+        self._prefix_index(decode).record(prompt_token_ids)
         handle = RequestHandle(request_id, decode.worker_id, route, list(prompt_token_ids),
                                params)
         self.handles[request_id] = handle
@@ -250,6 +256,24 @@ class Router:
             self._send(decode.worker_id, GenerateRequest(
                 request_id, list(prompt_token_ids), params, time.time()))
         return handle
+
+    def _prefix_index(self, worker: WorkerInfo) -> PrefixIndex:
+        index = self.prefix_indexes.get(worker.worker_id)
+        if index is None or index.block_size != worker.info.block_size:
+            index = PrefixIndex(worker.info.block_size, worker.info.num_kv_blocks)
+            self.prefix_indexes[worker.worker_id] = index
+        return index
+
+    def _choose_decode(self, prompt_token_ids: list[int]) -> tuple[WorkerInfo | None, int]:
+        """The least-loaded decode worker, ties going to the longest cached prefix, and the
+        prompt tokens it is believed to hold."""
+        best, best_key = None, None
+        for worker in self.registry.alive("decode"):
+            cached = self._prefix_index(worker).num_cached_tokens(prompt_token_ids)
+            key = (worker.load_score, -cached)
+            if best_key is None or key < best_key:
+                best, best_key = worker, key
+        return best, (0 if best_key is None else -best_key[1])
 
     def abort(self, request_id: str) -> None:
         """Stop a request on its workers (no-op if it already finished)."""
@@ -469,6 +493,7 @@ class Router:
         while True:
             await asyncio.sleep(self.registry.heartbeat_interval_s / 4)
             for worker in self.registry.remove_dead():
+                self.prefix_indexes.pop(worker.worker_id, None)
                 logger.warning("worker %s (%s) missed its heartbeats; dropping it",
                                worker.worker_id, worker.info.role)
                 for handle in list(self.handles.values()):
