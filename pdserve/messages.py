@@ -64,6 +64,9 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+    # tokens already streamed to the client (a retry after a decode worker died):
+    # generation continues after them and they count toward max_tokens
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class ExpectRemoteKV(msgspec.Struct, tag="expect_kv"):

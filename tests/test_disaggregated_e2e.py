@@ -4,6 +4,7 @@ processes, KV pushed over zmq, against a colocated server as the reference."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -277,6 +278,62 @@ def test_requests_on_a_killed_decode_worker_are_retried_elsewhere():
 
         codes = asyncio.run(go())
         assert codes == [200] * 6
+        m = metrics(srv)
+        assert m["pdserve:request_retries_total{}"] >= 1
+        assert num_workers_up(srv, "decode") == 1
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_streams_cut_by_a_killed_decode_worker_continue_elsewhere_without_loss():
+    """Requests that already streamed tokens when their decode worker died are continued on
+    the other one after those tokens: each stream ends with exactly max_tokens tokens and
+    the same greedy text as an uninterrupted run (fp32, so batch composition does not flip
+    a near-tie)."""
+    srv = ServerProcess("--num-prefill", "0", "--num-decode", "2", "--dtype", "float32",
+                        colocated=False)
+    prompts = [f"Write a long story about a lighthouse keeper named Tom, part {i}."
+               for i in range(4)]
+    max_tokens = 48
+    try:
+        wait_workers(srv, "decode", 2)
+        victim = _decode_pids(srv.proc.pid)[0]
+
+        async def stream_one(http, prompt: str, started: asyncio.Event) -> tuple[str, dict]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            text, usage, num_chunks = "", {}, 0
+            async with http.stream("POST", f"{srv.base_url}/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk["choices"]:
+                        text += choice["text"]
+                        num_chunks += 1
+                    if num_chunks >= 3:
+                        started.set()
+            return text, usage
+
+        async def go():
+            async with httpx.AsyncClient(timeout=300) as http:
+                events = [asyncio.Event() for _ in prompts]
+                tasks = [asyncio.create_task(stream_one(http, p, e))
+                         for p, e in zip(prompts, events)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+                os.kill(victim, signal.SIGKILL)  # every stream is mid-generation
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(go())
+        for (text, usage), prompt in zip(results, prompts):
+            assert usage["completion_tokens"] == max_tokens
+            ref = complete(srv, prompt, max_tokens=max_tokens)
+            assert text == ref["choices"][0]["text"]
         m = metrics(srv)
         assert m["pdserve:request_retries_total{}"] >= 1
         assert num_workers_up(srv, "decode") == 1

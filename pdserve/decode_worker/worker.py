@@ -87,7 +87,8 @@ class DecodeWorker(EngineWorker):
         if isinstance(msg, GenerateRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids,
-                                        msg.sampling_params, msg.arrival_time)
+                                        msg.sampling_params, msg.arrival_time,
+                                        output_token_ids=msg.output_token_ids)
             except ValueError as exc:
                 self.send(RequestFailed(msg.request_id, str(exc)))
         elif isinstance(msg, ExpectRemoteKV):

@@ -115,18 +115,29 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, arrival_time: float | None = None,
-                    export_kv: bool = False) -> None:
+                    export_kv: bool = False,
+                    output_token_ids: list[int] | None = None) -> None:
         """Queue a request.
 
         Args:
             export_kv: prefill-worker mode: stop after the first token and keep a copy of the
                 prompt's KV blocks in :attr:`exported_kv` (taken with :meth:`pop_exported_kv`).
+            output_token_ids: tokens this request already generated elsewhere (a retry
+                after its worker died); they are prefilled with the prompt, count toward
+                ``max_tokens``, and generation continues after them.
 
         Raises:
-            ValueError: as :meth:`_new_request`.
+            ValueError: as :meth:`_new_request`, or outputs that already end the request.
         """
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     arrival_time, max_tokens_override=1 if export_kv else None)
+        if output_token_ids:
+            vocab = self.arch.vocab_size
+            if any(not 0 <= t < vocab for t in output_token_ids):
+                raise ValueError(f"output token ids must be integers in [0, {vocab})")
+            request.token_ids.extend(output_token_ids)
+            if request.check_stop(self.max_model_len) is not None:
+                raise ValueError("the given output tokens already finish this request")
         request.export_kv = export_kv
         self.requests[request_id] = request
         self.scheduler.add_request(request)

@@ -129,11 +129,18 @@ class RequestHandle:
         self.route = route
         self.prompt_token_ids = prompt_token_ids or []
         self.params = params
-        self.num_deltas = 0  # deltas handed to the consumer (a retry is safe while 0)
+        self.num_deltas = 0  # deltas handed to the consumer
+        self.output_token_ids: list[int] = []  # tokens handed to the consumer
         self.is_retried = False
         self.remote: RemotePrefill | None = None
         self.queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
         self.finished = False
+
+    def deliver(self, delta: RequestDelta) -> None:
+        """Hand a worker's delta to the consumer and remember its tokens (for a retry)."""
+        self.queue.put_nowait(delta)
+        self.num_deltas += 1
+        self.output_token_ids.extend(delta.new_token_ids)
 
     def __aiter__(self) -> "RequestHandle":
         return self
@@ -358,8 +365,7 @@ class Router:
             return
         handle.remote.first_token_id = delta.new_token_ids[0]
         self._observe("request_prefill_time", msg.prefill_time_s)
-        handle.queue.put_nowait(delta)
-        handle.num_deltas += 1
+        handle.deliver(delta)
         if delta.finished:  # the first token ends it: release D's reservation
             self.handles.pop(delta.request_id, None)
             self._release(handle, abort=True)
@@ -408,9 +414,10 @@ class Router:
         self._send(handle.worker_id, ResumeLocally(handle.request_id, outputs))
 
     def _retry_elsewhere(self, handle: RequestHandle) -> bool:
-        """Re-place a request whose decode worker died, once, if the client has seen no
-        token of it yet (so nothing is duplicated); it then runs as a local request."""
-        if handle.is_retried or handle.num_deltas or handle.params is None:
+        """Re-place a request whose decode worker died, once; it then runs as a local
+        request on another decode worker, continuing after the tokens the client already
+        has (they are prefilled with the prompt, so nothing is duplicated or lost)."""
+        if handle.is_retried or handle.params is None:
             return False
         decode = self.registry.least_loaded("decode")
         if decode is None:
@@ -428,7 +435,8 @@ class Router:
         self._count("request_retries")
         logger.warning("retrying %s on %s", handle.request_id, decode.worker_id)
         self._send(decode.worker_id, GenerateRequest(
-            handle.request_id, handle.prompt_token_ids, handle.params, time.time()))
+            handle.request_id, handle.prompt_token_ids, handle.params, time.time(),
+            output_token_ids=list(handle.output_token_ids)))
         return True
 
     # -- socket --------------------------------------------------------------------------
@@ -459,8 +467,7 @@ class Router:
                 handle = self.handles.get(delta.request_id)
                 if handle is None:
                     continue  # aborted meanwhile
-                handle.queue.put_nowait(delta)
-                handle.num_deltas += 1
+                handle.deliver(delta)
                 if delta.finished:
                     self.handles.pop(delta.request_id, None)
                     self._release(handle, abort=False)
