@@ -64,3 +64,10 @@ def tiny_model(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model = build_tiny_checkpoint(request.param, out)
     return request.param, out, model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoint(tmp_path_factory):
+    """``(checkpoint_dir, transformers_model)`` of the tiny Llama alone."""
+    out = tmp_path_factory.mktemp("tiny-llama-only")
+    return out, build_tiny_checkpoint("llama", out)

@@ -88,6 +88,7 @@ class ModelRunner:
             swap_to_fp32_gemm(self.model)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self.num_kv_blocks = self._decide_num_blocks()
         if self.num_kv_blocks * self.block_size < max_model_len:
             raise ValueError(
@@ -100,20 +101,89 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             (arch.num_layers, 2, self.num_kv_blocks, self.block_size, arch.num_kv_heads,
              arch.head_dim),
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
-                          for i in range(arch.num_layers)]
-        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        # FP8 only: [num_layers, 2 (K, V), num_blocks, num_kv_heads] fp32, the wire format's.
+        self.kv_scales: torch.Tensor | None = None
+        if self.is_fp8_kv_cache:
+            self.kv_scales = torch.ones((arch.num_layers, 2, self.num_kv_blocks,
+                                         arch.num_kv_heads), dtype=torch.float32,
+                                        device=self.device)
+        self.kv_caches = [self._layer_kv_cache(i) for i in range(arch.num_layers)]
+        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size() + (
+            0 if self.kv_scales is None else self.kv_scales.numel() * 4)
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
+        self.cuda_graphs = self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self):
+        """Decode CUDA graphs (CUDA + Triton backend, unless ``enforce_eager``), else None."""
+        if (self.device.type != "cuda" or self.config.enforce_eager
+                or self.backend.name != "triton"):
+            return None
+        from pdserve.engine.cuda_graphs import CUDAGraphRunner  # noqa: PLC0415 (CUDA only)
+
+        graphs = CUDAGraphRunner(self.model, self.kv_caches, self.config.max_num_seqs,
+                                 self.max_model_len, self.block_size, self.device)
+        graphs.capture()
+        return graphs
+
+    @property
+    def is_fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype == torch.float8_e4m3fn
+
+    def _layer_kv_cache(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """``(k_cache, v_cache)``, plus ``(k_scales, v_scales)`` for an FP8 cache."""
+        caches = (self.kv_cache[layer, 0], self.kv_cache[layer, 1])
+        if self.kv_scales is None:
+            return caches
+        return caches + (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy of some blocks, all layers, in the compute dtype (FP8 codes dequantized).
+
+        Returns:
+            ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]``.
+        """
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        if self.kv_scales is None:
+            return self.kv_cache.index_select(2, ids)
+        codes = self.kv_cache.view(torch.uint8).index_select(2, ids).view(self.kv_cache_dtype)
+        scales = self.kv_scales.index_select(2, ids)[:, :, :, None, :, None]
+        return (codes.to(torch.float32) * scales).to(self.dtype)
+
+    def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, num_tokens: int) -> None:
+        """Store received blocks (e.g. a remote prefill's) into this cache.
+
+        Args:
+            block_ids: destination blocks, in order.
+            kv: ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]``, any
+                float dtype, any device.
+            num_tokens: valid tokens in ``kv`` (the last block may be partial). An FP8 cache
+                quantizes ``kv`` as the wire format does (one scale per layer, K/V, block, KV
+                head), after zeroing the positions past ``num_tokens`` so stale values do not
+                widen the last block's scale.
+        """
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        if self.kv_scales is None:
+            self.kv_cache[:, :, ids] = kv.to(device=self.device, dtype=self.kv_cache.dtype)
+            return
+        from pdserve.kvtransfer.fp8 import quantize_blocks  # noqa: PLC0415 (engine <- kvtransfer)
+
+        kv = kv.to(device="cpu", dtype=torch.float32).clone()
+        kv.view(*kv.shape[:2], -1, *kv.shape[4:])[:, :, num_tokens:] = 0
+        payload, scales = quantize_blocks(kv)
+        self.kv_cache.view(torch.uint8)[:, :, ids] = payload.view(torch.uint8).to(self.device)
+        self.kv_scales[:, :, ids] = scales.to(self.device)
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        bytes_per_block = self.arch.kv_bytes_per_token(self.dtype) * self.block_size
+        bytes_per_block = self.arch.kv_bytes_per_token(self.kv_cache_dtype) * self.block_size
+        if self.kv_cache_dtype == torch.float8_e4m3fn:  # + one fp32 scale per layer, K/V, head
+            bytes_per_block += 2 * self.arch.num_layers * self.arch.num_kv_heads * 4
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif cfg.kv_cache_memory_fraction is not None:
@@ -162,8 +232,11 @@ class ModelRunner:
             query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
             num_decodes=sched.num_decodes, block_size=bs,
         )
-        metadata = self.backend.build_metadata(attn_inputs)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(query_lens):
+            hidden = self.cuda_graphs.run(input_ids, positions, slots, block_tables, seq_lens)
+        else:
+            metadata = self.backend.build_metadata(attn_inputs)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)
         if not sampling:
             return ModelRunnerOutput([], [], None)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)

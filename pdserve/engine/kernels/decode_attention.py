@@ -43,7 +43,8 @@ def load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, pos, p_ok, kvh, d, num
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, out_ptr,
-                   scale, stride_qt, stride_qh, stride_bt, num_kv_heads, head_dim, block_size,
+                   scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, num_kv_heads,
+                   head_dim, block_size,
                    GROUP: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
@@ -77,7 +78,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, ou
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + r * stride_qt + heads[:, None] * stride_qh + d[None, :],
+    tl.store(out_ptr + r * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
@@ -97,7 +98,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         seq_lens: ``[num_reqs]`` int32 context lengths (the new token included); 0 = padding.
         scale: softmax scale.
         k_scales, v_scales: ``[num_blocks, num_kv_heads]`` fp32, required for FP8 caches.
-        out: optional ``[num_reqs, num_heads, head_dim]`` destination with ``q``'s strides.
+        out: optional ``[num_reqs, num_heads, head_dim]`` destination (last dim contiguous).
 
     Returns:
         ``[num_reqs, num_heads, head_dim]`` in ``q``'s dtype.
@@ -118,7 +119,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     dummy = seq_lens  # any tensor: the scale pointers are unused without FP8
     _decode_kernel[(num_reqs, num_kv_heads)](
         q, k_cache, v_cache, k_scales if is_fp8 else dummy, v_scales if is_fp8 else dummy,
-        block_tables, seq_lens, out, scale, q.stride(0), q.stride(1), block_tables.stride(0),
+        block_tables, seq_lens, out, scale, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0),
         num_kv_heads, head_dim, block_size, GROUP=group, IS_FP8=is_fp8,
         BLOCK_G=next_power_of_2(group), BLOCK_N=max(16, min(64, next_power_of_2(block_size))),
         BLOCK_D=next_power_of_2(head_dim))

@@ -25,7 +25,8 @@ from pdserve.engine.kernels.decode_attention import dequantize_cache, load_kv_ti
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
-                    scale, stride_qt, stride_qh, stride_bt, num_kv_heads, head_dim, block_size,
+                    scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, num_kv_heads,
+                    head_dim, block_size,
                     GROUP: tl.constexpr, IS_FP8: tl.constexpr, DOT_FP32: tl.constexpr,
                     PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -71,7 +72,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, seq_l
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    o_off = (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -93,7 +95,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_query_len: the largest query length (sets the grid; host int).
         scale: softmax scale.
         k_scales, v_scales: ``[num_blocks, num_kv_heads]`` fp32, required for FP8 caches.
-        out: optional destination shaped like ``q``.
+        out: optional destination shaped like ``q`` (last dim contiguous).
 
     Returns:
         ``out`` (or a new tensor like ``q``) with the requests' rows written.
@@ -118,7 +120,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scales if is_fp8 else dummy, v_scales if is_fp8 else dummy,
         block_tables, cu_query_lens, seq_lens, out, scale, q.stride(0), q.stride(1),
-        block_tables.stride(0), num_kv_heads, head_dim, block_size,
+        out.stride(0), out.stride(1), block_tables.stride(0), num_kv_heads, head_dim, block_size,
         GROUP=num_heads // num_kv_heads, IS_FP8=is_fp8,
         # Triton 3.9's interpreter mis-multiplies 16-bit tl.dot operands: upcast there.
         DOT_FP32=q.dtype == torch.float32 or is_interpreted(_prefill_kernel),
