@@ -40,7 +40,7 @@ def test_received_blocks_are_stored_with_the_wire_quantization(tiny_llama_checkp
     """A remote prefill's KV written into an FP8 cache reads back as the wire format's
     dequantized blocks (positions past the prompt zeroed first)."""
     path, _ = tiny_llama_checkpoint
-    engine = tiny_engine(path, num_kv_blocks=16, kv_cache_dtype="fp8")
+    engine = tiny_engine(path, num_kv_blocks=16, max_model_len=256, kv_cache_dtype="fp8")
     runner = engine.runner
     shape = (runner.kv_cache.shape[0], 2, 3, 16, *runner.kv_cache.shape[4:])
     kv = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
