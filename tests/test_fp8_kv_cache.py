@@ -51,6 +51,31 @@ def test_received_blocks_are_stored_with_the_wire_quantization(tiny_llama_checkp
     assert torch.equal(runner.read_kv_blocks([5, 2, 9]), want)
 
 
+def test_fp8_prefill_worker_to_fp8_decode_worker_equals_colocated(tiny_llama_checkpoint):
+    """Blocks exported from an FP8 cache and stored into another FP8 cache keep their codes
+    (re-quantizing a dequantized block whose absmax sits on 448 reproduces it), so decoding
+    from them gives the tokens of one FP8 engine doing everything."""
+    from test_engine_remote_prefill import GREEDY, run_to_end
+
+    path, _ = tiny_llama_checkpoint
+    kw = dict(dtype="float32", load_progress=False, block_size=16, max_num_batched_tokens=64,
+              kv_cache_dtype="fp8")
+    prefill, decode, colocated = (LLM(str(path), **kw).engine, LLM(str(path), **kw).engine,
+                                  LLM(str(path), **kw))
+    prompts = make_prompts([40, 21], seed=3)  # partial last blocks
+    expected = [o.outputs[0].token_ids
+                for o in colocated.generate(prompts, GREEDY, detokenize=False)]
+    for i, p in enumerate(prompts):
+        prefill.add_request(f"r{i}", p, GREEDY, export_kv=True)
+        decode.reserve_remote_prefill(f"r{i}", p, GREEDY)
+    first = run_to_end(prefill)
+    for i in range(len(prompts)):
+        assert decode.complete_remote_prefill(f"r{i}", first[f"r{i}"][0],
+                                              prefill.pop_exported_kv(f"r{i}"))
+    rest = run_to_end(decode)
+    assert [first[f"r{i}"] + rest[f"r{i}"] for i in range(len(prompts))] == expected
+
+
 def test_fp8_cache_generates_with_both_backends(tiny_llama_checkpoint):
     """Torch (reference) and Triton backends over one FP8 cache: same greedy tokens."""
     path, _ = tiny_llama_checkpoint

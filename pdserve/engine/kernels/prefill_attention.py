@@ -117,14 +117,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n = 32
     dummy = seq_lens
     grid = (num_reqs, num_heads, triton.cdiv(max_query_len, block_m))
+    dot_fp32 = q.dtype == torch.float32 or is_interpreted(_prefill_kernel)
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scales if is_fp8 else dummy, v_scales if is_fp8 else dummy,
         block_tables, cu_query_lens, seq_lens, out, scale, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), num_kv_heads, head_dim, block_size,
         GROUP=num_heads // num_kv_heads, IS_FP8=is_fp8,
         # Triton 3.9's interpreter mis-multiplies 16-bit tl.dot operands: upcast there.
-        DOT_FP32=q.dtype == torch.float32 or is_interpreted(_prefill_kernel),
-        PRECISION="ieee",
+        DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",  # (fp32 operands only)
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(head_dim)))
     return out
 
