@@ -126,3 +126,25 @@ def test_smollm2_fp8_cache_quality_against_bf16_cache():
           f"{sum(p == 64 for p in same_prefix)}/10, common prefixes {same_prefix}")
     assert abs(fp8_ppl / bf16_ppl - 1) <= 0.02
     assert all(p >= 1 for p in same_prefix)  # every first token agrees
+
+
+def test_kv_cache_dtype_is_validated_and_reaches_workers():
+    import argparse
+
+    from pdserve.engine.arg_utils import (
+        add_engine_args,
+        engine_args_to_argv,
+        engine_config_from_args,
+    )
+
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-cache-dtype", "fp8", "--enforce-eager"])
+    cfg = engine_config_from_args(args, None)
+    assert (cfg.kv_cache_dtype, cfg.enforce_eager) == ("fp8", True)
+    assert cfg.resolve_kv_cache_dtype(torch.bfloat16) == torch.float8_e4m3fn
+    argv = engine_args_to_argv(args)  # what a launched worker process gets
+    again = engine_config_from_args(parser.parse_args(argv), None)
+    assert (again.kv_cache_dtype, again.enforce_eager) == ("fp8", True)
