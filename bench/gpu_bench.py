@@ -20,6 +20,7 @@ rates), which the test suite runs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from dataclasses import dataclass
@@ -217,8 +218,7 @@ def check_kernels(device: torch.device) -> bool:
         want = da.paged_decode_attention_reference(q, k, v, table, lens, dim**-0.5, ks, vs)
         report(f"decode attention ({label} KV)", rel(got, want), 2e-2)
         q_lens = [1, 300, 24, 77, 1000, 513]
-        cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
-                          device=device)
+        cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
         qp = torch.randn((sum(q_lens), heads, dim), device=device, generator=gen, dtype=bf16)
         got = pa.paged_prefill_attention(qp, k, v, table, cu, lens, max(q_lens), dim**-0.5,
                                          ks, vs)

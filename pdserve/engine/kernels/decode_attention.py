@@ -149,7 +149,7 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor,
     for r, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        pos = torch.arange(seq_len)
+        pos = torch.arange(seq_len, device=q.device)
         blocks = block_tables[r, pos // block_size].long()
         k = k_all[blocks, pos % block_size].repeat_interleave(group, dim=1)  # [L, H, D]
         v = v_all[blocks, pos % block_size].repeat_interleave(group, dim=1)

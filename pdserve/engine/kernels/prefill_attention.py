@@ -148,13 +148,13 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor,
         q_len = cu[r + 1] - cu[r]
         if q_len == 0:
             continue
-        pos = torch.arange(seq_len)
+        pos = torch.arange(seq_len, device=q.device)
         blocks = block_tables[r, pos // block_size].long()
         k = k_all[blocks, pos % block_size].repeat_interleave(group, dim=1)  # [L, H, D]
         v = v_all[blocks, pos % block_size].repeat_interleave(group, dim=1)
         qr = q[cu[r]:cu[r + 1]].float() * scale                             # [n, H, D]
         s = torch.einsum("nhd,lhd->hnl", qr, k)
-        q_pos = torch.arange(seq_len - q_len, seq_len)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         out[cu[r]:cu[r + 1]] = torch.einsum("hnl,lhd->nhd", s.softmax(-1), v).to(q.dtype)
     return out
