@@ -51,6 +51,28 @@ def test_received_blocks_are_stored_with_the_wire_quantization(tiny_llama_checkp
     assert torch.equal(runner.read_kv_blocks([5, 2, 9]), want)
 
 
+def test_fp8_cache_blocks_cross_the_wire_without_requantizing(tiny_llama_checkpoint):
+    """FP8 codes + scales read from one FP8 cache, encoded, decoded and written into
+    another FP8 cache arrive bit for bit."""
+    from pdserve.kvtransfer.wire import decode_kv, encode_kv
+
+    path, _ = tiny_llama_checkpoint
+    src = tiny_engine(path, num_kv_blocks=16, max_model_len=256, kv_cache_dtype="fp8").runner
+    dst = tiny_engine(path, num_kv_blocks=16, max_model_len=256, kv_cache_dtype="fp8").runner
+    shape = (src.kv_cache.shape[0], 2, 2, 16, *src.kv_cache.shape[4:])
+    src.write_kv_blocks([3, 7], torch.randn(shape, generator=torch.Generator().manual_seed(1)),
+                        num_tokens=29)
+    codes, scales = src.read_fp8_kv_blocks([3, 7])
+    enc = encode_kv("r", codes, layer_start=0, num_tokens=29, use_fp8=True, scales=scales)
+    got = decode_kv(enc.header, enc.payload.tobytes(), enc.scales.tobytes())
+    dst.write_kv_blocks([9, 0], got.values, num_tokens=29, scales=got.scales)
+    got_codes, got_scales = dst.read_fp8_kv_blocks([9, 0])
+    assert torch.equal(got_codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(got_scales, scales)
+    with pytest.raises(ValueError, match="scales"):
+        encode_kv("r", codes, layer_start=0, num_tokens=29, use_fp8=True)
+
+
 def test_fp8_prefill_worker_to_fp8_decode_worker_equals_colocated(tiny_llama_checkpoint):
     """Blocks exported from an FP8 cache and stored into another FP8 cache keep their codes
     (re-quantizing a dequantized block whose absmax sits on 448 reproduces it), so decoding

@@ -149,23 +149,51 @@ class ModelRunner:
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         if self.kv_scales is None:
             return self.kv_cache.index_select(2, ids)
-        codes = self.kv_cache.view(torch.uint8).index_select(2, ids).view(self.kv_cache_dtype)
-        scales = self.kv_scales.index_select(2, ids)[:, :, :, None, :, None]
-        return (codes.to(torch.float32) * scales).to(self.dtype)
+        codes, scales = self.read_fp8_kv_blocks(block_ids)
+        return (codes.to(torch.float32) * scales[:, :, :, None, :, None]).to(self.dtype)
 
-    def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, num_tokens: int) -> None:
+    def read_fp8_kv_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 cache's blocks as they are, ready for the wire without re-quantizing.
+
+        Returns:
+            ``(codes, scales)``: ``[num_layers, 2, n, block_size, H, D]`` float8_e4m3fn and
+            ``[num_layers, 2, n, H]`` fp32 (the wire format's layout).
+
+        Raises:
+            ValueError: the cache is not FP8.
+        """
+        if self.kv_scales is None:
+            raise ValueError("read_fp8_kv_blocks needs kv_cache_dtype='fp8'")
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        codes = self.kv_cache.view(torch.uint8).index_select(2, ids).view(self.kv_cache_dtype)
+        return codes, self.kv_scales.index_select(2, ids)
+
+    def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, num_tokens: int,
+                        scales: torch.Tensor | None = None) -> None:
         """Store received blocks (e.g. a remote prefill's) into this cache.
 
         Args:
             block_ids: destination blocks, in order.
             kv: ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]``, any
-                float dtype, any device.
+                float dtype, any device; or float8_e4m3fn codes with their ``scales``.
             num_tokens: valid tokens in ``kv`` (the last block may be partial). An FP8 cache
                 quantizes ``kv`` as the wire format does (one scale per layer, K/V, block, KV
                 head), after zeroing the positions past ``num_tokens`` so stale values do not
-                widen the last block's scale.
+                widen the last block's scale; FP8 codes and scales are stored as they are.
+            scales: ``[num_layers, 2, len(block_ids), num_kv_heads]`` fp32 with FP8 ``kv``.
+
+        Raises:
+            ValueError: FP8 ``kv`` without scales or into a cache that is not FP8.
         """
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        if (kv.dtype == torch.float8_e4m3fn) != (scales is not None):
+            raise ValueError("scales: give them exactly with float8_e4m3fn kv")
+        if scales is not None:
+            if self.kv_scales is None:
+                raise ValueError("FP8 blocks need kv_cache_dtype='fp8' (dequantize them first)")
+            self.kv_cache.view(torch.uint8)[:, :, ids] = kv.view(torch.uint8).to(self.device)
+            self.kv_scales[:, :, ids] = scales.to(self.device)
+            return
         if self.kv_scales is None:
             self.kv_cache[:, :, ids] = kv.to(device=self.device, dtype=self.kv_cache.dtype)
             return
