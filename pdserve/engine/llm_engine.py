@@ -174,7 +174,7 @@ class LLMEngine:
         Args:
             first_token_id: the token the prefill worker sampled (already streamed).
             kv: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
-                cache dtype, the prompt's blocks in order (blocks this worker had cached are
+                compute dtype, the prompt's blocks in order (an FP8 cache quantizes them) (blocks this worker had cached are
                 skipped, not overwritten).
 
         Returns:
@@ -194,8 +194,8 @@ class LLMEngine:
             raise ValueError(f"received KV has shape {tuple(kv.shape)}, expected {expected}")
         first = req.num_cached_tokens // bs
         if first < num_blocks:
-            ids = torch.tensor(req.block_table[first:num_blocks], device=cache.device)
-            cache[:, :, ids] = kv[:, :, first:].to(device=cache.device, dtype=cache.dtype)
+            self.runner.write_kv_blocks(req.block_table[first:num_blocks], kv[:, :, first:],
+                                        num_tokens=req.num_prompt_tokens - first * bs)
         req.num_computed_tokens = req.num_prompt_tokens
         self.block_manager.cache_computed_blocks(req)
         req.append_output_token(first_token_id)
@@ -314,9 +314,7 @@ class LLMEngine:
     def _copy_prompt_kv(self, req: Request) -> torch.Tensor:
         """``[num_layers, 2, num_blocks, block_size, H, D]`` copy of the prompt's blocks."""
         num_blocks = self.block_manager.num_blocks_for(req.num_prompt_tokens)
-        cache = self.runner.kv_cache
-        ids = torch.tensor(req.block_table[:num_blocks], device=cache.device)
-        return cache.index_select(2, ids)
+        return self.runner.read_kv_blocks(req.block_table[:num_blocks])
 
     # -- load ----------------------------------------------------------------------------
     @property

@@ -130,6 +130,7 @@ class ModelRunner:
                                 max_model_len, config.load_progress)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self.num_kv_blocks = self._decide_num_blocks()
         if self.num_kv_blocks * self.block_size < max_model_len:
             raise ValueError(
@@ -142,11 +143,17 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             (arch.num_layers, 2, self.num_kv_blocks, self.block_size, arch.num_kv_heads,
              arch.head_dim),
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
-                          for i in range(arch.num_layers)]
-        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        # FP8 only: [num_layers, 2 (K, V), num_blocks, num_kv_heads] fp32, the wire format's.
+        self.kv_scales: torch.Tensor | None = None
+        if self.is_fp8_kv_cache:
+            self.kv_scales = torch.ones((arch.num_layers, 2, self.num_kv_blocks,
+                                         arch.num_kv_heads), dtype=torch.float32,
+                                        device=self.device)
+        self.kv_caches = [self._layer_kv_cache(i) for i in range(arch.num_layers)]
+        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size() + (
+            0 if self.kv_scales is None else self.kv_scales.numel() * 4)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.last_step: StepHidden | None = None
@@ -154,12 +161,103 @@ class ModelRunner:
         self.aux_layer_ids: tuple[int, ...] = ()
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
+        self.cuda_graphs = self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self):
+        """Decode CUDA graphs (CUDA + Triton backend, unless ``enforce_eager``), else None."""
+        if (self.device.type != "cuda" or self.config.enforce_eager
+                or self.backend.name != "triton"):
+            return None
+        from pdserve.engine.cuda_graphs import CUDAGraphRunner  # noqa: PLC0415 (CUDA only)
+
+        graphs = CUDAGraphRunner(self.model, self.kv_caches, self.config.max_num_seqs,
+                                 self.max_model_len, self.block_size, self.device)
+        graphs.capture()
+        return graphs
+
+    @property
+    def is_fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype == torch.float8_e4m3fn
+
+    def _layer_kv_cache(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """``(k_cache, v_cache)``, plus ``(k_scales, v_scales)`` for an FP8 cache."""
+        caches = (self.kv_cache[layer, 0], self.kv_cache[layer, 1])
+        if self.kv_scales is None:
+            return caches
+        return caches + (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy of some blocks, all layers, in the compute dtype (FP8 codes dequantized).
+
+        Returns:
+            ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]``.
+        """
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        if self.kv_scales is None:
+            return self.kv_cache.index_select(2, ids)
+        codes, scales = self.read_fp8_kv_blocks(block_ids)
+        return (codes.to(torch.float32) * scales[:, :, :, None, :, None]).to(self.dtype)
+
+    def read_fp8_kv_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 cache's blocks as they are, ready for the wire without re-quantizing.
+
+        Returns:
+            ``(codes, scales)``: ``[num_layers, 2, n, block_size, H, D]`` float8_e4m3fn and
+            ``[num_layers, 2, n, H]`` fp32 (the wire format's layout).
+
+        Raises:
+            ValueError: the cache is not FP8.
+        """
+        if self.kv_scales is None:
+            raise ValueError("read_fp8_kv_blocks needs kv_cache_dtype='fp8'")
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        codes = self.kv_cache.view(torch.uint8).index_select(2, ids).view(self.kv_cache_dtype)
+        return codes, self.kv_scales.index_select(2, ids)
+
+    def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, num_tokens: int,
+                        scales: torch.Tensor | None = None) -> None:
+        """Store received blocks (e.g. a remote prefill's) into this cache.
+
+        Args:
+            block_ids: destination blocks, in order.
+            kv: ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]``, any
+                float dtype, any device; or float8_e4m3fn codes with their ``scales``.
+            num_tokens: valid tokens in ``kv`` (the last block may be partial). An FP8 cache
+                quantizes ``kv`` as the wire format does (one scale per layer, K/V, block, KV
+                head), after zeroing the positions past ``num_tokens`` so stale values do not
+                widen the last block's scale; FP8 codes and scales are stored as they are.
+            scales: ``[num_layers, 2, len(block_ids), num_kv_heads]`` fp32 with FP8 ``kv``.
+
+        Raises:
+            ValueError: FP8 ``kv`` without scales or into a cache that is not FP8.
+        """
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        if (kv.dtype == torch.float8_e4m3fn) != (scales is not None):
+            raise ValueError("scales: give them exactly with float8_e4m3fn kv")
+        if scales is not None:
+            if self.kv_scales is None:
+                raise ValueError("FP8 blocks need kv_cache_dtype='fp8' (dequantize them first)")
+            self.kv_cache.view(torch.uint8)[:, :, ids] = kv.view(torch.uint8).to(self.device)
+            self.kv_scales[:, :, ids] = scales.to(self.device)
+            return
+        if self.kv_scales is None:
+            self.kv_cache[:, :, ids] = kv.to(device=self.device, dtype=self.kv_cache.dtype)
+            return
+        from pdserve.kvtransfer.fp8 import quantize_blocks  # noqa: PLC0415 (engine <- kvtransfer)
+
+        kv = kv.to(device="cpu", dtype=torch.float32).clone()
+        kv.view(*kv.shape[:2], -1, *kv.shape[4:])[:, :, num_tokens:] = 0
+        payload, scales = quantize_blocks(kv)
+        self.kv_cache.view(torch.uint8)[:, :, ids] = payload.view(torch.uint8).to(self.device)
+        self.kv_scales[:, :, ids] = scales.to(self.device)
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        bytes_per_block = self.arch.kv_bytes_per_token(self.dtype) * self.block_size
+        bytes_per_block = self.arch.kv_bytes_per_token(self.kv_cache_dtype) * self.block_size
+        if self.kv_cache_dtype == torch.float8_e4m3fn:  # + one fp32 scale per layer, K/V, head
+            bytes_per_block += 2 * self.arch.num_layers * self.arch.num_kv_heads * 4
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif cfg.kv_cache_memory_fraction is not None:
@@ -214,13 +312,17 @@ class ModelRunner:
             query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
             num_decodes=sched.num_decodes, block_size=bs,
         )
-        metadata = self.backend.build_metadata(attn_inputs)
         features = None
-        if self.aux_layer_ids:  # EAGLE-3 fuses several target layers
-            hidden, features = self.model(ids_t, pos_t, self.kv_caches, metadata,
-                                          aux_layer_ids=self.aux_layer_ids)
+        if self.cuda_graphs is not None and not self.aux_layer_ids \
+                and self.cuda_graphs.can_run(query_lens):
+            hidden = self.cuda_graphs.run(input_ids, positions, slots, block_tables, seq_lens)
         else:
-            hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)
+            metadata = self.backend.build_metadata(attn_inputs)
+            if self.aux_layer_ids:  # EAGLE-3 fuses several target layers
+                hidden, features = self.model(ids_t, pos_t, self.kv_caches, metadata,
+                                              aux_layer_ids=self.aux_layer_ids)
+            else:
+                hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)
         #: kept for the drafter: this step's hidden states, each scheduled request's first
         #: row in them and its num_computed_tokens before the step
         self.last_step = StepHidden(hidden if features is None else features, query_starts,

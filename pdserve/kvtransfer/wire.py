@@ -141,19 +141,31 @@ class EncodedKV:
 
 
 def encode_kv(request_id: str, kv: torch.Tensor, *, layer_start: int, num_tokens: int,
-              use_fp8: bool) -> EncodedKV:
+              use_fp8: bool, scales: torch.Tensor | None = None) -> EncodedKV:
     """Encode gathered KV blocks as one message.
 
     kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] bf16/fp16/fp32 CPU,
-        the request's blocks in block-table order, layers ``layer_start ..`` of the model.
+        the request's blocks in block-table order, layers ``layer_start ..`` of the model;
+        or float8_e4m3fn codes already quantized this way (an FP8 KV cache's blocks), sent
+        as they are with ``scales``.
     use_fp8: quantize to fp8_e4m3 with per-(layer, K/V, block, head) scales, else send
-        the bytes of ``kv.dtype`` unchanged.
+        the bytes of ``kv.dtype`` unchanged. Must be True for FP8 ``kv``.
+    scales: [num_layers, 2, num_blocks, num_kv_heads] fp32, with FP8 ``kv`` only.
     """
     if kv.dim() != 6 or kv.shape[1] != 2:
         raise ValueError(f"kv: expected 6-d [num_layers, 2, num_blocks, block_size, "
                          f"num_kv_heads, head_dim], got {tuple(kv.shape)}")
     num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv.shape
-    if use_fp8:
+    if (kv.dtype == FP8_DTYPE) != (scales is not None) or (scales is not None and not use_fp8):
+        raise ValueError("scales: give them exactly with float8_e4m3fn kv, and use_fp8=True")
+    if scales is not None:
+        if tuple(scales.shape) != (num_layers, 2, num_blocks, num_kv_heads) \
+                or scales.dtype != SCALE_DTYPE:
+            raise ValueError(f"scales: expected fp32 {(num_layers, 2, num_blocks, num_kv_heads)}"
+                             f", got {scales.dtype} {tuple(scales.shape)}")
+        values, dtype_name, layout = kv, WIRE_DTYPE_FP8, SCALE_LAYOUT_PER_BLOCK_HEAD
+        scales = _as_bytes(scales)
+    elif use_fp8:
         values, scales_t = quantize_blocks(kv)
         dtype_name, layout = WIRE_DTYPE_FP8, SCALE_LAYOUT_PER_BLOCK_HEAD
         scales = _as_bytes(scales_t)

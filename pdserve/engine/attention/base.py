@@ -53,15 +53,20 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: Any,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Store the new K/V into the paged cache, then attend.
 
         Args:
             q: ``[num_tokens, num_heads, head_dim]``.
             k, v: ``[num_tokens, num_kv_heads, head_dim]``.
-            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (in place).
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (in place),
+                in the compute dtype or ``float8_e4m3fn``.
             metadata: what :meth:`build_metadata` returned for this step.
             scale: softmax scale, usually ``head_dim ** -0.5``.
+            kv_scales: FP8 caches only: ``(k_scales, v_scales)``, each
+                ``[num_blocks, num_kv_heads]`` fp32 (in place), quantized as
+                :mod:`pdserve.engine.kernels.kv_store` describes.
 
         Returns:
             ``[num_tokens, num_heads, head_dim]`` attention output in the dtype of ``q``.

@@ -20,8 +20,9 @@ from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_from_hf_config
 
 #: One layer's paged cache: ``(k_cache, v_cache)``, each
-#: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-KVCache = tuple[torch.Tensor, torch.Tensor]
+#: ``[num_blocks, block_size, num_kv_heads, head_dim]``; an FP8 cache adds
+#: ``(k_scales, v_scales)``, each ``[num_blocks, num_kv_heads]`` fp32.
+KVCache = tuple[torch.Tensor, ...]
 
 
 class LlamaAttention(nn.Module):
@@ -65,7 +66,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale,
+                                   kv_scales=kv_cache[2:] or None)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
