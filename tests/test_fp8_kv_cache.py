@@ -129,7 +129,7 @@ SMOLLM2_PROMPTS = [
 def test_smollm2_fp8_cache_quality_against_bf16_cache():
     """10 prompts x 64 greedy tokens and perplexity on 1024 held-text tokens, bf16 compute.
 
-    Perplexity must stay within 2 % of the bf16 cache's (measured: +0.7 % on 2048 tokens);
+    Perplexity must stay within 2 % of the bf16 cache's (measured: 49.72 -> 50.11, +0.8 %);
     greedy continuations are reported (they part at near-ties, as any KV rounding does).
     """
     from transformers import AutoTokenizer
