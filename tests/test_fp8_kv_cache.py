@@ -73,6 +73,7 @@ def test_fp8_cache_blocks_cross_the_wire_without_requantizing(tiny_llama_checkpo
         encode_kv("r", codes, layer_start=0, num_tokens=29, use_fp8=True)
 
 
+@pytest.mark.slow
 def test_fp8_prefill_worker_to_fp8_decode_worker_equals_colocated(tiny_llama_checkpoint):
     """Blocks exported from an FP8 cache and stored into another FP8 cache keep their codes
     (re-quantizing a dequantized block whose absmax sits on 448 reproduces it), so decoding
@@ -98,18 +99,22 @@ def test_fp8_prefill_worker_to_fp8_decode_worker_equals_colocated(tiny_llama_che
     assert [first[f"r{i}"] + rest[f"r{i}"] for i in range(len(prompts))] == expected
 
 
-def test_fp8_cache_generates_with_both_backends(tiny_llama_checkpoint):
-    """Torch (reference) and Triton backends over one FP8 cache: same greedy tokens."""
+@pytest.mark.slow
+def test_fp8_cache_perplexity_agrees_across_backends(tiny_llama_checkpoint):
+    """Torch (reference) and Triton backends over an FP8 cache, chunked so later chunks read
+    K/V back from it: the same perplexity up to the one FP8 rounding of a fresh prefill's
+    own K/V (torch attends to them unrounded); the fp32 caches agree to fp32 precision."""
     path, _ = tiny_llama_checkpoint
-    prompts = make_prompts([5, 21])
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    got = {}
+    text = make_prompts([48], seed=5)[0]
+    ppl = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(path), dtype="float32", load_progress=False, block_size=8,
-                  kv_cache_dtype="fp8", attention_backend=backend)
-        got[backend] = [o.outputs[0].token_ids
-                        for o in llm.generate(prompts, params, detokenize=False)]
-    assert got["torch"] == got["triton"]
+        for kv_dtype in ("auto", "fp8"):
+            llm = LLM(str(path), dtype="float32", load_progress=False, block_size=8,
+                      max_model_len=256, kv_cache_dtype=kv_dtype, attention_backend=backend)
+            ppl[backend, kv_dtype] = perplexity(llm.engine, text, chunk_size=16)
+    assert ppl["triton", "auto"] == pytest.approx(ppl["torch", "auto"], rel=1e-5)
+    assert ppl["triton", "fp8"] == pytest.approx(ppl["torch", "fp8"], rel=2e-3)
+    assert ppl["torch", "fp8"] != ppl["torch", "auto"]  # the cache really is quantized
 
 
 SMOLLM2_PROMPTS = [
@@ -124,7 +129,7 @@ SMOLLM2_PROMPTS = [
 def test_smollm2_fp8_cache_quality_against_bf16_cache():
     """10 prompts x 64 greedy tokens and perplexity on 1024 held-text tokens, bf16 compute.
 
-    Perplexity must stay within 2 % of the bf16 cache's (measured: +0.7 % on 2048 tokens);
+    Perplexity must stay within 2 % of the bf16 cache's (measured: 49.72 -> 50.11, +0.8 %);
     greedy continuations are reported (they part at near-ties, as any KV rounding does).
     """
     from transformers import AutoTokenizer

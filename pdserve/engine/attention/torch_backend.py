@@ -13,8 +13,9 @@ Paged cache layout (per layer, K and V alike)::
 
 An FP8 cache (``kv_scales`` given) is written by the KV store's torch reference
 (:func:`~pdserve.engine.kernels.kv_store.store_kv_reference`) and its gathered context is
-dequantized (codes times their block's scale) before attention; every prefill then attends
-over the dequantized cache, fresh ones included, as the Triton backend does.
+dequantized (codes times their block's scale) before attention. A prefill without earlier
+context attends over its own fresh K/V at full precision (the FP8 cache serves later steps);
+the Triton backend reads them back from the cache instead, a difference of one FP8 rounding.
 """
 
 from __future__ import annotations
@@ -178,10 +179,6 @@ class TorchAttentionBackend:
             qp = q[sl].transpose(0, 1)  # [H, n, D]
             if p.context_slots is None:
                 kp, vp = k[sl].transpose(0, 1), v[sl].transpose(0, 1)
-                if kv_scales is not None:  # the K/V the cache holds, as later steps see them
-                    slots = metadata.slot_mapping[sl]
-                    kp = _gather(k_cache, k_scales, slots, q.dtype).transpose(0, 1)
-                    vp = _gather(v_cache, v_scales, slots, q.dtype).transpose(0, 1)
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
                 )
