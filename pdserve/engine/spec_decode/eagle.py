@@ -501,6 +501,21 @@ class EagleDraftModel(nn.Module):
             self.t2d[target_ids] = True
 
 
+def bundled_head_dir(model_name: str) -> Path | None:
+    """The EAGLE head shipped with pdserve for a target model, or None if there is none.
+
+    Args:
+        model_name: the target's folder name, e.g. ``"SmolLM2-135M-Instruct"``.
+
+    Returns:
+        ``pdserve/data/eagle/<lowercased name>`` when it holds a ``config.json``.
+    """
+    from importlib import resources
+
+    folder = Path(str(resources.files("pdserve.data"))) / "eagle" / model_name.lower()
+    return folder if (folder / "config.json").is_file() else None
+
+
 def _iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors of ``model.safetensors`` (or ``pytorch_model.bin``, loaded weights-only)."""
     for filename in WEIGHT_FILES:
