@@ -53,7 +53,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     cfg = TrainEagleConfig(
         model=args.model, data=args.data, out=args.out, num_prompts=args.num_prompts,
         num_held_out=args.num_held_out, max_answer_tokens=args.max_answer_tokens,
-        max_train_tokens=args.max_train_tokens, device=args.device,
+        max_train_tokens=args.max_train_tokens, device=args.device, init_from=args.init_from,
         hyper=TrainHyperParams(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                                unroll_steps=args.unroll_steps,
                                max_train_minutes=args.max_train_minutes, seed=args.seed),
@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per training batch")
     p.add_argument("--unroll-steps", type=int, default=1,
                    help="train on the head's own predicted features for this many chained steps")
+    p.add_argument("--init-from", default=None,
+                   help="EAGLE-1 head folder to continue training from (default: random init)")
     p.add_argument("--max-train-minutes", type=float, default=None,
                    help="fit the number of training steps into this wall time (measured)")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and training seed")

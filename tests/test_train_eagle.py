@@ -81,6 +81,7 @@ def test_brown_tags_are_removed_and_quotes_attached():
     (["--data", "/nonexistent/text.txt"], "does not exist"),
     (["--epochs", "0"], "epochs must be positive"),
     (["--num-prompts", "-3"], "num_prompts must be positive"),
+    (["--init-from", "/nonexistent/head"], "is not an EAGLE head folder"),
 ])
 def test_cli_bad_input_is_a_one_line_error(tiny_dir, tmp_path, capsys, argv, message):
     code = main(["train-eagle", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), *argv])

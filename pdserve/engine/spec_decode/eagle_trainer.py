@@ -213,8 +213,9 @@ def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: Tra
     return total / steps, reg_sum / steps, cls_sum / steps, top1, num_tokens
 
 
-#: Steps timed before a time budget fixes the number of steps.
-_CALIBRATION_STEPS = 5
+#: A time budget fixes the number of steps from the time of steps 2 .. this one (the
+#: first step is slower: allocations, first-touch of the weights).
+_CALIBRATION_STEPS = 12
 
 
 class _StepPlan:
@@ -232,10 +233,11 @@ class _StepPlan:
     def warmup_steps(self) -> int:
         return max(1, int(self.total_steps * self.warmup_fraction))
 
-    def fit_time(self, budget_s: float, per_step_s: float) -> None:
-        """Cap the steps so that they take about ``budget_s`` at ``per_step_s`` each."""
+    def fit_time(self, budget_s: float, elapsed_s: float, per_step_s: float) -> None:
+        """Cap the steps so that all take about ``budget_s``, ``elapsed_s`` of it spent."""
+        remaining = int((budget_s - elapsed_s) / max(per_step_s, 1e-9))
         self.total_steps = max(_CALIBRATION_STEPS + 1,
-                               min(self.total_steps, int(budget_s / max(per_step_s, 1e-9))))
+                               min(self.total_steps, _CALIBRATION_STEPS + remaining))
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of the peak learning rate at optimizer step ``step``."""
@@ -281,9 +283,12 @@ def train_head(head: EagleDraftModel, data: Sequence[TargetFeatures], hp: TrainH
         for batch_idx in make_batches(data, hp.batch_tokens, rng):
             if history.num_steps >= plan.total_steps:
                 break
+            if history.num_steps == 1:
+                t1 = time.perf_counter()
             if history.num_steps == _CALIBRATION_STEPS and hp.max_train_minutes is not None:
-                per_step_s = (time.perf_counter() - t0) / _CALIBRATION_STEPS
-                plan.fit_time(hp.max_train_minutes * 60.0, per_step_s)
+                now = time.perf_counter()
+                plan.fit_time(hp.max_train_minutes * 60.0, now - t0,
+                              (now - t1) / (_CALIBRATION_STEPS - 1))
                 bar.total = plan.total_steps
             loss, reg, cls, top1, num_tokens = _step_losses(
                 head, [data[i] for i in batch_idx], hp, backend, generator, vocab)

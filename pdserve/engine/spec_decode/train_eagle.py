@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
-from pdserve.engine.spec_decode.eagle import EagleConfig, EagleDraftModel
+from pdserve.engine.spec_decode.eagle import EagleConfig, EagleDraftModel, iter_checkpoint
 from pdserve.engine.spec_decode.eagle_acceptance import AcceptanceEstimate, estimate_acceptance
 from pdserve.engine.spec_decode.eagle_data import (
     DistillSequence,
@@ -58,6 +58,8 @@ class TrainEagleConfig:
         max_train_tokens: cap on training tokens (prompt + answer), None for all.
         device: ``cpu`` or ``cuda[:N]``.
         hyper: optimization settings.
+        init_from: an EAGLE-1 head folder to start from (continue training), or None for
+            a random start.
 
     Raises:
         ValueError: naming the field, for a bad value.
@@ -72,6 +74,7 @@ class TrainEagleConfig:
     max_train_tokens: int | None = None
     device: str = "cpu"
     hyper: TrainHyperParams = field(default_factory=TrainHyperParams)
+    init_from: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "num_held_out", "max_answer_tokens"):
@@ -85,6 +88,8 @@ class TrainEagleConfig:
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise ValueError(f"out {str(self.out)!r} exists and is not a folder")
+        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
+            raise FileNotFoundError(f"init_from {str(self.init_from)!r} is not an EAGLE head folder")
 
 
 @dataclass
@@ -282,6 +287,8 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     train_data = _features(target, train_seqs, stem.with_suffix(".train" + suffix), use_tqdm)
     held_data = _features(target, held_seqs, stem.with_suffix(".held" + suffix), use_tqdm)
     head = new_head(target, cfg.device, max_position, PackedCausalAttention())
+    if cfg.init_from is not None:
+        head.load_weights(iter_checkpoint(Path(cfg.init_from)))
     history = train_head(head, train_data, cfg.hyper, use_tqdm=use_tqdm)
 
     paged = new_head(target, cfg.device, max_position,
@@ -296,6 +303,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         len(held_seqs), time.perf_counter() - t0)
     provenance = {
         "trained_by": "pdserve train-eagle",
+        "init_from": None if cfg.init_from is None else Path(cfg.init_from).name,
         "target": model_path.name,
         "data": cfg.data,
         "num_train_sequences": result.num_train_sequences,
