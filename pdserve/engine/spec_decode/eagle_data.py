@@ -207,7 +207,7 @@ def build_prompts(excerpts_train: Sequence[str], excerpts_held: Sequence[str],
 
 
 def load_prompt_specs(data: str, num_train: int, num_held_out: int, seed: int,
-                      max_words: int = 60, cache_dir: Path | None = None) -> list[PromptSpec]:
+                      max_words: int = 40, cache_dir: Path | None = None) -> list[PromptSpec]:
     """Prompts from ``data``: ``"builtin"`` (the Brown corpus) or a path to a text file.
 
     For a text file, the held-out prompts are the last excerpts of the file (about one in

@@ -56,8 +56,10 @@ class TargetFeatures:
     Attributes:
         token_ids: ``[T]`` int64, prompt then answer.
         features: ``[T, H]`` fp32, the target's final normed hidden states.
-        teacher_ids: ``[T, k]`` int64, top-k next-token ids of each position.
-        teacher_probs: ``[T, k]`` fp32, their probabilities renormalized to sum to 1.
+        teacher_ids: ``[T, k]`` int64, top-k next-token ids of each position ``>= P - 1``
+            (zero before).
+        teacher_probs: ``[T, k]`` fp32, their probabilities renormalized to sum to 1
+            (zero before ``P - 1``).
         num_prompt_tokens: ``P``; positions ``>= P - 1`` predict answer tokens.
         is_held_out: evaluation sequence.
     """
@@ -105,10 +107,15 @@ def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[Distil
         for seq, seq_ids in zip(batch, ids):
             feats = hidden[start:start + len(seq_ids)]
             start += len(seq_ids)
-            probs = torch.softmax(target.compute_logits(feats), dim=-1)  # [T, V] fp32
+            # Only positions >= P - 1 are ever labels; earlier rows stay zero.
+            first = max(len(seq.prompt_ids) - 1, 0)
+            probs = torch.softmax(target.compute_logits(feats[first:]), dim=-1)  # [., V] fp32
             top_probs, top_ids = probs.topk(TEACHER_TOP_K, dim=-1)
+            teacher_ids = torch.zeros(len(seq_ids), TEACHER_TOP_K, dtype=torch.int64)
+            teacher_probs = torch.zeros(len(seq_ids), TEACHER_TOP_K)
+            teacher_ids[first:] = top_ids.cpu()
+            teacher_probs[first:] = (top_probs / top_probs.sum(-1, keepdim=True)).cpu()
             out.append(TargetFeatures(
-                torch.tensor(seq_ids, dtype=torch.int64), feats.float().cpu(),
-                top_ids.cpu(), (top_probs / top_probs.sum(-1, keepdim=True)).cpu(),
-                len(seq.prompt_ids), seq.is_held_out))
+                torch.tensor(seq_ids, dtype=torch.int64), feats.float().cpu(), teacher_ids,
+                teacher_probs, len(seq.prompt_ids), seq.is_held_out))
     return out

