@@ -12,7 +12,7 @@ from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.loader.checkpoint import load_checkpoint
 from pdserve.engine.loader.default_model import resolve_model
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestDelta, TokenLogprob
+from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels import PAD_SLOT_ID, next_power_of_2
+from pdserve.engine.kernels import next_power_of_2
 
 FP8_E4M3_MAX = 448.0
 #: Scales below the smallest normal fp32 would overflow ``1/scale``; such blocks get 1.0.
