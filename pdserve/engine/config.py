@@ -34,6 +34,10 @@ class EngineConfig:
     ``kv_cache_memory_fraction`` (of the device's free memory after the weights). None of
     them: 2 GiB on CPU, 85 % of free memory on CUDA.
 
+    ``quantization`` (None: as the checkpoint declares) names a weight quantization method
+    of :mod:`pdserve.engine.quantization`; ``quantization_skip`` lists layer name patterns
+    kept in 16-bit (``("lm_head", "layers.0")``).
+
     Raises:
         ValueError: naming the field, for any invalid value.
     """
@@ -52,8 +56,17 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     load_progress: bool = True
+    quantization: str | None = None
+    quantization_skip: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        from pdserve.engine.quantization.registry import QUANTIZATION_CHOICES
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
+        if not isinstance(self.quantization_skip, tuple):
+            raise ValueError("quantization_skip must be a tuple of layer name patterns")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

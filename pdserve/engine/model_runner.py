@@ -20,6 +20,7 @@ from pdserve.engine.config import (
 from pdserve.engine.layers.linear import cpu_has_native_gemm, swap_to_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
 from pdserve.engine.models import get_model_class
+from pdserve.engine.quantization import load_model_weights, weight_memory
 from pdserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pdserve.engine.scheduler import SchedulerOutput
 
@@ -81,12 +82,19 @@ class ModelRunner:
         model_cls = get_model_class(arch.architecture)
         with _default_dtype(self.dtype), self.device:
             self.model = model_cls(arch, self.backend, max_model_len)
-        self.model.load_weights(checkpoint.iter_weights(self.dtype, progress=config.load_progress))
+        use_fp32_gemm = (self.device.type == "cpu" and self.dtype != torch.float32
+                         and not cpu_has_native_gemm(self.dtype))
+        # Quantized layers (--quantization) replace nn.Linear here, so the fp32-GEMM swap
+        # below only touches the layers that stay dense.
+        load_model_weights(self.model, arch, checkpoint, config.quantization,
+                           config.quantization_skip, self.dtype,
+                           torch.float32 if use_fp32_gemm else self.dtype,
+                           progress=config.load_progress)
         self.model.eval()
-        if (self.device.type == "cpu" and self.dtype != torch.float32
-                and not cpu_has_native_gemm(self.dtype)):
+        if use_fp32_gemm:
             swap_to_fp32_gemm(self.model)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_memory = weight_memory(self.model)
+        self.weight_bytes = self.weight_memory.total_bytes
 
         self.num_kv_blocks = self._decide_num_blocks()
         if self.num_kv_blocks * self.block_size < max_model_len:
