@@ -18,11 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import logging
+import time
+
 import torch
 from torch import nn
 
 from pdserve.engine.perplexity import perplexity
 from pdserve.engine.quantization.int_weight import quantize_rtn
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -143,7 +148,10 @@ def apply_awq(engine, sequences: list[list[int]], bits: int, group_size: int,
             if not isinstance(module, nn.Linear) or module.weight.dtype != torch.float32:
                 raise ValueError("AWQ needs an fp32 model with nn.Linear layers")
             names.append(f"model.layers.{i}.{sub}")
+    t0 = time.perf_counter()
     stats = collect_input_stats(engine, sequences, names, rows_per_sequence)
+    logger.info("AWQ: calibration activations of %d windows in %.1f s", len(sequences),
+                time.perf_counter() - t0)
     report = AwqReport()
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -170,4 +178,5 @@ def apply_awq(engine, sequences: list[list[int]], bits: int, group_size: int,
         s = scale_group(mlp.down_proj, "mlp.down_proj")
         half = mlp.gate_up_proj.out_features // 2
         mlp.gate_up_proj.weight[half:].div_(s[:, None])
+        logger.info("AWQ: layer %d searched (%.1f s)", i, time.perf_counter() - t0)
     return report
