@@ -155,3 +155,19 @@ def test_dense_methods_quantize_a_dense_checkpoint(tmp_path):
         assert engine.runner.weight_memory.num_quantized_layers == 2 * 4
         assert _ppl(engine) == pytest.approx(ref, rel=rel)
     shutil.rmtree(src)
+
+
+def test_brown_tags_are_stripped_into_sentences():
+    from pdserve.engine.quantization.calibration import strip_brown_tags
+
+    raw = "\n\n\tThe/at jury/nn said/vbd ``/`` no/at ''/'' ,/, (/( yes/rb )/) ./.\n\n\tOk/uh ./.\n"
+    assert strip_brown_tags(raw).splitlines() == ['The jury said " no ", (yes).', "Ok."]
+
+
+def test_calibration_windows_spread_over_the_text_and_need_enough_tokens():
+    from pdserve.engine.quantization.calibration import calibration_token_windows
+
+    windows = calibration_token_windows(list(range(1000)), num_samples=3, seq_len=100)
+    assert [w[0] for w in windows] == [0, 300, 600] and all(len(w) == 100 for w in windows)
+    with pytest.raises(ValueError, match="fewer than"):
+        calibration_token_windows(list(range(50)), 1, 100)

@@ -46,14 +46,16 @@ class Fp8Linear(QuantizedLinear):
         w8, scales = quantize_fp8_rows(weight)
         self.register_buffer("weight_fp8", w8)
         self.register_buffer("weight_scale", scales)
-        self.use_scaled_mm = device_has_fp8_gemm(weight.device)
+        self.use_scaled_mm: bool | None = None  # decided on the first call, on its device
 
     def dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         w = self.weight_fp8[start:end].to(torch.float32) * self.weight_scale[start:end, None]
         return w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.use_scaled_mm and x.is_cuda):
+        if self.use_scaled_mm is None:
+            self.use_scaled_mm = device_has_fp8_gemm(x.device)
+        if not self.use_scaled_mm:
             return super().forward(x)
         x2 = x.reshape(-1, self.in_features)
         x8, x_scale = quantize_fp8_rows(x2)  # per-token activation scales, [num_tokens]
