@@ -1,5 +1,5 @@
 """``pdserve`` command line: ``serve``, ``server``, ``decode-worker``, ``prefill-worker``,
-``pull``, ``generate``, ``bench``, ``local-cluster``, ``train-eagle``."""
+``pull``, ``generate``, ``bench``, ``local-cluster``, ``train-eagle``, ``quantize``."""
 
 from __future__ import annotations
 
@@ -296,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and training seed")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.set_defaults(func=_cmd_train_eagle)
+
+    from pdserve.engine.quantization.quantize_cmd import add_quantize_parser
+
+    add_quantize_parser(sub)
     for p in sub.choices.values():
         p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser

@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 
 from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig
+from pdserve.engine.quantization.cli_args import (
+    add_quantization_args,
+    parse_skip_list,
+    quantization_args_to_argv,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-model", default=None,
                    help="draft model folder (method draft) or EAGLE head folder (method eagle; "
                         "\"default\" = the head shipped for the default model)")
+    add_quantization_args(g)
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
@@ -59,6 +65,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None) -> Engi
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,
+        quantization=args.quantization, quantization_skip=parse_skip_list(args.quantization_skip),
     )
 
 
@@ -83,4 +90,5 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--speculative-model", args.speculative_model]
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    argv += quantization_args_to_argv(args)
     return argv

@@ -42,6 +42,10 @@ class EngineConfig:
     FP8 e4m3 (about half the bytes of bf16, so about twice the blocks for the same budget).
     ``enforce_eager`` turns off CUDA graphs for decode (they are never used on CPU).
 
+    ``quantization`` (None: as the checkpoint declares) names a weight quantization method
+    of :mod:`pdserve.engine.quantization`; ``quantization_skip`` lists layer name patterns
+    kept in 16-bit (``("lm_head", "layers.0")``).
+
     Raises:
         ValueError: naming the field, for any invalid value.
     """
@@ -65,8 +69,17 @@ class EngineConfig:
     speculative_model: str | None = None
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    quantization: str | None = None
+    quantization_skip: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        from pdserve.engine.quantization.registry import QUANTIZATION_CHOICES
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
+        if not isinstance(self.quantization_skip, tuple):
+            raise ValueError("quantization_skip must be a tuple of layer name patterns")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -42,7 +42,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_path = resolve_model(config.model)
+        self.model_path = resolve_model(config.model, prefer_gguf=config.quantization == "gguf")
         checkpoint = load_checkpoint(self.model_path)
         self.arch = ModelArchConfig.from_hf_config(checkpoint.hf_config)
         model_max = self.arch.max_position_embeddings

@@ -24,6 +24,7 @@ from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode.rejection_sampler import RejectionSampler
+from pdserve.engine.quantization import load_model_weights, weight_memory
 
 
 @contextmanager
@@ -77,22 +78,28 @@ class StepHidden:
 
 
 def load_model(arch: ModelArchConfig, checkpoint: Checkpoint, dtype: torch.dtype,
-               device: torch.device, backend, max_model_len: int,
-               progress: bool = True) -> torch.nn.Module:
+               device: torch.device, backend, max_model_len: int, progress: bool = True,
+               quantization: str | None = None,
+               quantization_skip: tuple[str, ...] = ()) -> torch.nn.Module:
     """Build the model class of ``arch`` on ``device`` in ``dtype`` and load its weights.
 
-    On CPUs without native 16-bit GEMMs the Linear layers are swapped to fp32 GEMMs
-    (see :mod:`pdserve.engine.layers.linear`).
+    Quantized layers (``quantization``, see :mod:`pdserve.engine.quantization`) replace
+    ``nn.Linear`` while loading; on CPUs without native 16-bit GEMMs the layers that stay
+    dense are then swapped to fp32 GEMMs (see :mod:`pdserve.engine.layers.linear`).
 
     Raises:
-        ValueError: unknown architecture or a checkpoint that does not fit the model.
+        ValueError: unknown architecture, a checkpoint that does not fit the model, or a
+            quantization method that does not fit the checkpoint.
     """
     model_cls = get_model_class(arch.architecture)
     with _default_dtype(dtype), device:
         model = model_cls(arch, backend, max_model_len)
-    model.load_weights(checkpoint.iter_weights(dtype, progress=progress))
+    use_fp32_gemm = (device.type == "cpu" and dtype != torch.float32
+                     and not cpu_has_native_gemm(dtype))
+    load_model_weights(model, arch, checkpoint, quantization, quantization_skip, dtype,
+                       torch.float32 if use_fp32_gemm else dtype, progress=progress)
     model.eval()
-    if device.type == "cpu" and dtype != torch.float32 and not cpu_has_native_gemm(dtype):
+    if use_fp32_gemm:
         swap_to_fp32_gemm(model)
     return model
 
@@ -127,8 +134,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend = get_backend(config.attention_backend, self.device)
         self.model = load_model(arch, checkpoint, self.dtype, self.device, self.backend,
-                                max_model_len, config.load_progress)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+                                max_model_len, config.load_progress, config.quantization,
+                                config.quantization_skip)
+        self.weight_memory = weight_memory(self.model)
+        self.weight_bytes = self.weight_memory.total_bytes
 
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self.num_kv_blocks = self._decide_num_blocks()

@@ -148,13 +148,15 @@ def _resolve_default_model() -> Path:
     raise ModelNotFoundError(f"default model {DEFAULT_MODEL} is not available: {PULL_HINT}")
 
 
-def resolve_model(model: str | None) -> Path:
+def resolve_model(model: str | None, prefer_gguf: bool = False) -> Path:
     """Turn a model argument into the path to load.
 
     Args:
         model: None, ``"default"`` or ``DEFAULT_MODEL`` for the embedded default;
             otherwise a path to a Hugging Face folder (with ``config.json``) or a
             ``.gguf`` file.
+        prefer_gguf: for the default model, return the installed GGUF file rather than
+            its converted folder (``--quantization gguf`` keeps its blocks packed).
 
     Returns:
         A folder or ``.gguf`` file suitable for ``load_checkpoint``/``load_tokenizer``.
@@ -166,7 +168,8 @@ def resolve_model(model: str | None) -> Path:
             names the path).
     """
     if model is None or model in DEFAULT_MODEL_ALIASES:
-        return _resolve_default_model()
+        gguf_path = find_default_gguf() if prefer_gguf else None
+        return gguf_path if gguf_path is not None else _resolve_default_model()
     path = Path(model).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():

@@ -285,6 +285,20 @@ class GGUFWeightSource:
                 weight = unpermute_interleaved_rows(weight, num_heads)
             yield hf_name, weight
 
+    def iter_raw_tensors(self) -> Iterator[tuple[str, gguf.GGMLQuantizationType, torch.Tensor]]:
+        """Yield ``(hf_name, ggml_type, payload)`` in file order, without dequantizing.
+
+        ``payload`` is a copy of the stored data: ``[rows, row_bytes]`` uint8 blocks for
+        quantized types, the stored array otherwise; Q/K rows are already in Hugging Face
+        order (every GGML row is whole blocks, so rows permute as units).
+        """
+        for tensor, hf_name in zip(self._reader.tensors, self._hf_names, strict=True):
+            payload = torch.from_numpy(np.array(tensor.data, copy=True))
+            num_heads = self._num_heads_to_unpermute.get(hf_name)
+            if num_heads is not None:
+                payload = unpermute_interleaved_rows(payload, num_heads)
+            yield hf_name, tensor.tensor_type, payload
+
 
 def open_gguf(path: Path) -> tuple[dict[str, Any], GGUFWeightSource]:
     """Open ``path`` (memory-mapped) and return ``(hf_config, weight_source)``.

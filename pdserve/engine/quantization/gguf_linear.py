@@ -1,0 +1,99 @@
+"""``GGUFLinear``: a linear layer whose weight stays in GGML blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import torch
+
+from pdserve.engine.quantization.base import DEFAULT_MAX_SCRATCH_ELEMS, QuantizedLinear
+from pdserve.engine.quantization.gguf_blocks import BLOCK_DEQUANTIZERS, dequantize_rows
+
+
+@dataclass
+class GGUFPackedWeight:
+    """One GGUF weight, still packed.
+
+    Attributes:
+        ggml_type: the block format.
+        data: ``[rows, row_bytes]`` uint8 blocks (rows = output features) for a packed type,
+            or a float ``[rows, cols]`` tensor for F32/F16/BF16.
+        num_cols: logical input features.
+    """
+
+    ggml_type: gguf.GGMLQuantizationType
+    data: torch.Tensor
+    num_cols: int
+
+    @property
+    def is_packed(self) -> bool:
+        return self.ggml_type in BLOCK_DEQUANTIZERS
+
+    def dequantize(self) -> torch.Tensor:
+        """``[rows, num_cols]`` float32."""
+        if self.is_packed:
+            return dequantize_rows(self.ggml_type, self.data)
+        return self.data.float()
+
+
+class GGUFLinear(QuantizedLinear):
+    """Linear layer over row segments of GGML blocks (fused q/k/v or gate/up may mix types).
+
+    Buffers ``packed_i``: ``[rows_i, row_bytes_i]`` uint8, segment ``i`` of the output rows.
+    On CUDA with Triton, Q4_0/Q4_1/Q8_0 segments run the fused dequant-GEMM of
+    :mod:`pdserve.engine.quantization.kernels.gguf_gemm`.
+
+    Args:
+        parts: the segments, in output-row order, all with the same ``num_cols``.
+        bias: ``[out]`` or None.
+        gemm_dtype: dtype of the dequantized slab and of the GEMM.
+
+    Raises:
+        ValueError: a part is not a packed GGML type, or the parts differ in ``num_cols``.
+    """
+
+    def __init__(self, parts: list[GGUFPackedWeight], bias: torch.Tensor | None,
+                 gemm_dtype: torch.dtype,
+                 max_scratch_elems: int = DEFAULT_MAX_SCRATCH_ELEMS) -> None:
+        in_features = parts[0].num_cols
+        if any(p.num_cols != in_features for p in parts) or not all(p.is_packed for p in parts):
+            raise ValueError("GGUFLinear needs packed parts with one input size")
+        super().__init__(in_features, sum(p.data.shape[0] for p in parts), bias, gemm_dtype,
+                         max_scratch_elems)
+        self.ggml_types = [p.ggml_type for p in parts]
+        self.row_starts = [0]
+        for i, p in enumerate(parts):
+            self.register_buffer(f"packed_{i}", p.data.contiguous())
+            self.row_starts.append(self.row_starts[-1] + p.data.shape[0])
+
+    def segments(self) -> list[tuple[gguf.GGMLQuantizationType, int, torch.Tensor]]:
+        """``(ggml_type, first_row, packed)`` for each segment."""
+        return [(t, self.row_starts[i], getattr(self, f"packed_{i}"))
+                for i, t in enumerate(self.ggml_types)]
+
+    def dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        pieces = []
+        for ggml_type, first, packed in self.segments():
+            lo, hi = max(start, first), min(end, first + packed.shape[0])
+            if lo < hi:
+                pieces.append(dequantize_rows(ggml_type, packed[lo - first:hi - first]))
+        w = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return w.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from pdserve.engine.quantization.kernels import gguf_gemm
+
+            if gguf_gemm.is_available() and all(t in gguf_gemm.SUPPORTED_TYPES
+                                                for t in self.ggml_types):
+                x2 = x.reshape(-1, self.in_features)
+                y = torch.cat([gguf_gemm.gguf_linear(x2, packed, t)
+                               for t, _, packed in self.segments()], dim=-1)
+                y = y.reshape(*x.shape[:-1], self.out_features)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        types = ",".join(t.name for t in self.ggml_types)
+        return f"{super().extra_repr()}, types={types}"

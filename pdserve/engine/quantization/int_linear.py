@@ -1,0 +1,88 @@
+"""``IntLinear``: a linear layer whose weight stays group-quantized int4/int8 (W4A16/W8A16)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.quantization.base import DEFAULT_MAX_SCRATCH_ELEMS, QuantizedLinear
+from pdserve.engine.quantization.int_weight import IntWeight
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``[rows, in]`` uint8 codes in 0..15 -> ``[rows, in / 2]`` uint8 (even column low nibble)."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: ``[rows, in / 2]`` -> ``[rows, in]`` uint8."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+class IntLinear(QuantizedLinear):
+    """Weight-only group-quantized linear layer (AWQ, GPTQ, compressed-tensors, RTN).
+
+    Buffers::
+
+        qweight  [out, in/2] uint8 (4 bits, two codes a byte) or [out, in] uint8 (8 bits)
+        scales   [out, num_groups] float16
+        zeros    [out, num_groups] uint8
+        g_idx    [in] int32, only for act-order checkpoints
+
+    On CUDA with Triton the forward pass runs the fused W4A16 kernel of
+    :mod:`pdserve.engine.quantization.kernels.w4a16`; elsewhere it dequantizes slabs
+    (see :class:`~.base.QuantizedLinear`).
+
+    Args:
+        weight: the unpacked weight (any device; buffers follow it).
+        bias: ``[out]`` or None.
+        gemm_dtype: dtype of the dequantized slab and of the GEMM.
+    """
+
+    def __init__(self, weight: IntWeight, bias: torch.Tensor | None, gemm_dtype: torch.dtype,
+                 max_scratch_elems: int = DEFAULT_MAX_SCRATCH_ELEMS) -> None:
+        out_features, in_features = weight.shape
+        super().__init__(in_features, out_features, bias, gemm_dtype, max_scratch_elems)
+        self.bits = weight.bits
+        self.group_size = weight.group_size
+        codes = weight.codes
+        self.register_buffer("qweight", pack_nibbles(codes) if self.bits == 4
+                             else codes.to(torch.uint8).contiguous())
+        self.register_buffer("scales", weight.scales.to(torch.float16).contiguous())
+        self.register_buffer("zeros", weight.zeros.to(torch.uint8).contiguous())
+        self.register_buffer("g_idx", None if weight.g_idx is None
+                             else weight.g_idx.to(torch.int32).contiguous())
+
+    def int_weight(self) -> IntWeight:
+        """The unpacked weight (a copy of the codes)."""
+        codes = unpack_nibbles(self.qweight) if self.bits == 4 else self.qweight.clone()
+        return IntWeight(codes, self.scales, self.zeros, self.bits, self.group_size, self.g_idx)
+
+    def dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        packed = self.qweight[start:end]
+        codes = unpack_nibbles(packed) if self.bits == 4 else packed
+        rows = end - start
+        s = self.scales[start:end].float()
+        z = self.zeros[start:end].float()
+        if self.g_idx is None and self.in_features % self.group_size == 0:
+            num_groups = s.shape[1]
+            w = codes.view(rows, num_groups, -1).float()
+            w = (w - z[..., None]) * s[..., None]
+            return w.view(rows, self.in_features).to(dtype)
+        gi = (self.g_idx.long() if self.g_idx is not None
+              else torch.arange(self.in_features, device=codes.device) // self.group_size)
+        return ((codes.float() - z[:, gi]) * s[:, gi]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.bits == 4 and self.g_idx is None:
+            from pdserve.engine.quantization.kernels import w4a16
+
+            if w4a16.is_available():
+                y = w4a16.w4a16_linear(x.reshape(-1, self.in_features), self.qweight,
+                                       self.scales, self.zeros, self.group_size)
+                y = y.reshape(*x.shape[:-1], self.out_features)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, bits={self.bits}, group_size={self.group_size}"

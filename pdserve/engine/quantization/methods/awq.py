@@ -1,0 +1,44 @@
+"""``--quantization awq``: AutoAWQ GEMM checkpoints (``qweight``/``qzeros``/``scales``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.engine.quantization.int_layouts import unpack_awq
+from pdserve.engine.quantization.int_linear import IntLinear
+from pdserve.engine.quantization.int_weight import cat_rows
+from pdserve.engine.quantization.methods.common import iter_stored_tensors
+from pdserve.engine.quantization.registry import register
+
+
+@register("awq")
+class AwqMethod:
+    """Loads 4-bit AutoAWQ ``version: gemm`` weights into :class:`IntLinear`.
+
+    Raises:
+        ValueError: bits other than 4, or a ``version`` other than ``gemm``.
+    """
+
+    name = "awq"
+    quantizes_dense = False
+
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        qc = hf_config.get("quantization_config", {})
+        self.group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        version = str(qc.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm":
+            raise ValueError(f"AWQ checkpoints must be 4-bit 'gemm', got bits={bits}, "
+                             f"version={version!r}")
+
+    iter_tensors = staticmethod(iter_stored_tensors)
+
+    def is_complete(self, shard: dict[str, Any]) -> bool:
+        return {"qweight", "qzeros", "scales"} <= shard.keys()
+
+    def build(self, spec, shards, bias):
+        if not all(self.is_complete(s) for s in shards):
+            return None
+        parts = [unpack_awq(s["qweight"], s["qzeros"], s["scales"], self.group_size)
+                 for s in shards]
+        return IntLinear(cat_rows(parts), bias, spec.gemm_dtype)

