@@ -43,8 +43,13 @@ class PackedCausalAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
-                metadata: PackedCausalMetadata, scale: float) -> torch.Tensor:
-        """``q [T, H, D]``, ``k, v [T, Hkv, D]`` -> ``[T, H, D]``, causal within each sequence."""
+                metadata: PackedCausalMetadata, scale: float,
+                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, Hkv, D]`` -> ``[T, H, D]``, causal within each sequence.
+
+        No cache is read or written (training), so ``k_cache``/``v_cache``/``kv_scales``
+        are ignored.
+        """
         outs = []
         cu = metadata.cu_seqlens
         for start, end in zip(cu[:-1], cu[1:]):
