@@ -92,6 +92,32 @@ def test_int_linear_matches_reference_and_bounds_scratch(bits, group_size):
     assert ((iw.dequantize() - w).abs() <= iw.scales.float()[:, gi] / 2 + 1e-3).all()
 
 
+def test_float_zero_points_reproduce_a_q4_1_grid_exactly():
+    """The "min" form keeps each group's minimum: a Q4_1-style weight (``q * d + m`` per 32
+    columns, every group using codes 0 and 15) comes back bit for bit; integer zero points
+    move every group by up to half a step."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (24, 96), generator=g)
+    q[:, ::32] = 0
+    q[:, 1::32] = 15
+    d = (torch.rand(24, 3, generator=g) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(24, 3, generator=g) * 0.07).half().float()
+    w = (q.view(24, 3, 32) * d[..., None] + m[..., None]).view(24, 96)
+    exact = quantize_rtn(w, 4, 32, float_zeros=True)
+    assert exact.zeros.dtype == torch.float16
+    err_float = (exact.dequantize() - w).abs().max().item()
+    err_int = (quantize_rtn(w, 4, 32).dequantize() - w).abs().max().item()
+    assert err_float <= 1e-3 * w.abs().max().item(), err_float  # fp16 rounding of s and z
+    assert err_int > 10 * err_float
+    layer = IntLinear(exact, None, torch.float32)
+    assert layer.zeros.dtype == torch.float16
+    x = torch.randn(4, 96)
+    torch.testing.assert_close(layer(x), x @ exact.dequantize().t(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="integer zero points"):
+        from pdserve.engine.quantization.int_layouts import pack_gptq
+        pack_gptq(exact)
+
+
 def _random_int_weight(out_features, in_features, bits, group_size, act_order=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_groups = -(-in_features // group_size)
@@ -175,12 +201,14 @@ def test_skip_patterns_match_dotted_components():
 triton = pytest.importorskip("triton")
 
 
+@pytest.mark.parametrize("float_zeros", [False, True], ids=["int_zeros", "float_zeros"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_w4a16_triton_kernel_matches_reference(dtype):
+def test_w4a16_triton_kernel_matches_reference(dtype, float_zeros):
     from pdserve.engine.quantization.kernels.w4a16 import w4a16_linear, w4a16_reference
 
     torch.manual_seed(0)
-    iw = quantize_rtn(torch.randn(80, 200), 4, 64)  # K not a multiple of the group: ragged
+    # K not a multiple of the group: ragged
+    iw = quantize_rtn(torch.randn(80, 200), 4, 64, float_zeros=float_zeros)
     args = (pack_nibbles(iw.codes), iw.scales, iw.zeros, 64)
     x = torch.randn(5, 200).to(dtype)
     y, ref = w4a16_linear(x, *args), w4a16_reference(x, *args)

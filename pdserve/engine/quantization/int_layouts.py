@@ -60,12 +60,20 @@ def _awq_permute(codes: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 _AWQ_INVERSE = tuple(AWQ_ORDER.index(j) for j in range(8))
 
 
+def _require_integer_zeros(w: IntWeight) -> None:
+    """Packed layouts store integer zero points; the float "min" form has no packing."""
+    if w.zeros.is_floating_point():
+        raise ValueError("this layout stores integer zero points; quantize without "
+                         "float_zeros to write it")
+
+
 def pack_awq(w: IntWeight) -> dict[str, torch.Tensor]:
     """AutoAWQ GEMM tensors (``qweight``, ``qzeros``, ``scales``) of a 4-bit weight.
 
     Raises:
         ValueError: not 4 bits, act-order ``g_idx`` present, or ``out`` not a multiple of 8.
     """
+    _require_integer_zeros(w)
     if w.bits != 4 or w.g_idx is not None or w.shape[0] % 8:
         raise ValueError("the AWQ layout holds 4-bit weights without g_idx, out % 8 == 0")
     return {
@@ -88,6 +96,7 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
 def pack_gptq(w: IntWeight, v1_zero_offset: bool = True) -> dict[str, torch.Tensor]:
     """GPTQ tensors (``qweight``, ``qzeros``, ``scales``, ``g_idx``); v1 stores ``zero - 1``."""
+    _require_integer_zeros(w)
     zeros = w.zeros.to(torch.int64) - (1 if v1_zero_offset else 0)
     zeros = zeros & (2**w.bits - 1)
     return {
@@ -123,6 +132,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 
 def pack_compressed_tensors(w: IntWeight, symmetric: bool = False) -> dict[str, torch.Tensor]:
     """compressed-tensors ``pack-quantized`` tensors of ``w`` (``weight_*`` names)."""
+    _require_integer_zeros(w)
     out = {
         "weight_packed": pack_int32(w.codes, w.bits),
         "weight_scale": w.scales.half().contiguous(),

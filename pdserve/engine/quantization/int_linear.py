@@ -26,7 +26,7 @@ class IntLinear(QuantizedLinear):
 
         qweight  [out, in/2] uint8 (4 bits, two codes a byte) or [out, in] uint8 (8 bits)
         scales   [out, num_groups] float16
-        zeros    [out, num_groups] uint8
+        zeros    [out, num_groups] uint8, or float16 for the float "min" form (rtn-*)
         g_idx    [in] int32, only for act-order checkpoints
 
     On CUDA with Triton the forward pass runs the fused W4A16 kernel of
@@ -49,7 +49,8 @@ class IntLinear(QuantizedLinear):
         self.register_buffer("qweight", pack_nibbles(codes) if self.bits == 4
                              else codes.to(torch.uint8).contiguous())
         self.register_buffer("scales", weight.scales.to(torch.float16).contiguous())
-        self.register_buffer("zeros", weight.zeros.to(torch.uint8).contiguous())
+        zeros = weight.zeros if weight.zeros.dtype == torch.float16 else weight.zeros.to(torch.uint8)
+        self.register_buffer("zeros", zeros.contiguous())
         self.register_buffer("g_idx", None if weight.g_idx is None
                              else weight.g_idx.to(torch.int32).contiguous())
 

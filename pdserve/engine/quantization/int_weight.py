@@ -5,6 +5,8 @@ A logical weight ``W [out, in]`` is cut along the input dimension into groups of
 
     W[o, i] ~= (q[o, i] - z[o, g(i)]) * s[o, g(i)],   q in [0, 2**bits - 1]
 
+The zero point is an integer (uint8; what AWQ/GPTQ/compressed-tensors store) or, for the
+"min" form llama.cpp's Q4_1/Q4_K use (``W ~= q * s + min``), a float16 ``z = -min / s``.
 ``g(i) = i // group_size`` (the last group may be shorter when ``group_size`` does not divide
 ``in``, e.g. 576 columns in groups of 128), or ``g_idx[i]`` for GPTQ act-order checkpoints (Frantar et al.
 2023), whose columns are quantized in a permuted order. AWQ, GPTQ and compressed-tensors
@@ -26,7 +28,9 @@ class IntWeight:
     Attributes:
         codes: ``[out, in]`` uint8, values in ``[0, 2**bits - 1]``.
         scales: ``[out, num_groups]`` float16.
-        zeros: ``[out, num_groups]`` uint8 (``2**(bits-1)`` everywhere for symmetric).
+        zeros: ``[out, num_groups]`` uint8 (``2**(bits-1)`` everywhere for symmetric), or
+            float16 for the float "min" form (in-memory only: packed checkpoint layouts
+            store integer zeros).
         bits: 4 or 8.
         group_size: columns per group (``in`` for one group per row).
         g_idx: ``[in]`` int32 group of each column, or None for ``i // group_size``.
@@ -95,11 +99,16 @@ def cat_rows(parts: list[IntWeight]) -> IntWeight:
 
 
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int,
-                 symmetric: bool = False) -> IntWeight:
+                 symmetric: bool = False, float_zeros: bool = False) -> IntWeight:
     """Round-to-nearest group quantization of ``weight``.
 
     Asymmetric (default): per group ``s = (max - min) / (2**bits - 1)``,
     ``z = round(-min / s)``; symmetric: ``s = absmax / (2**(bits-1) - 1)``, ``z = 2**(bits-1)``.
+    ``float_zeros`` keeps ``z = -min / s`` unrounded (float16), so each group's minimum is
+    represented exactly instead of being moved by up to ``s / 2``: the Q4_1 "min" form.
+    On weights that come from a Q4_1 GGUF (as SmolLM2's do) with groups on its 32-column
+    blocks, this reproduces the source grid; integer zeros cost SmolLM2 ~+20 % perplexity
+    at int4/g32, float zeros ~0.
     Codes are rounded against the float16-rounded scale, so dequantizing the result is exactly
     what the engine computes.
 
@@ -107,9 +116,11 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int,
         weight: ``[out, in]`` float.
         bits: 4 or 8.
         group_size: columns per group; -1 (or ``in``) for one group per row.
+        symmetric: symmetric codes around ``2**(bits-1)``.
+        float_zeros: float16 zero points (asymmetric only).
 
     Raises:
-        ValueError: bad bits or group size.
+        ValueError: bad bits or group size, or ``symmetric`` with ``float_zeros``.
     """
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
@@ -118,6 +129,8 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int,
         group_size = in_features
     if group_size <= 0:
         raise ValueError(f"group_size must be positive or -1, got {group_size}")
+    if symmetric and float_zeros:
+        raise ValueError("float_zeros applies to asymmetric quantization only")
     max_q = 2**bits - 1
     w = weight.float()
     pad = (-in_features) % group_size
@@ -131,8 +144,10 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int,
     else:
         w_max, w_min = w.amax(-1), w.amin(-1)
         scales = ((w_max - w_min) / max_q).clamp(min=1e-8).half()
-        zeros = (-w_min / scales.float()).round().clamp(0, max_q)
+        zeros = -w_min / scales.float()
+        zeros = zeros.half().float() if float_zeros else zeros.round().clamp(0, max_q)
     sf = scales.float().clamp(min=6e-8)
-    codes = (w / sf[..., None]).round() + zeros[..., None]
+    codes = (w / sf[..., None] + zeros[..., None]).round()
     codes = codes.clamp(0, max_q).to(torch.uint8).reshape(out_features, -1)[:, :in_features]
-    return IntWeight(codes.contiguous(), scales, zeros.to(torch.uint8), bits, group_size)
+    zeros = zeros.half() if float_zeros else zeros.to(torch.uint8)
+    return IntWeight(codes.contiguous(), scales, zeros, bits, group_size)

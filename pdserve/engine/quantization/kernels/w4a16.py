@@ -4,7 +4,7 @@ Layout (:class:`~pdserve.engine.quantization.int_linear.IntLinear`)::
 
     qweight [N, K/2] uint8   byte k//2 of row n: column k in the low nibble if k is even
     scales  [N, G]   fp16    G = ceil(K / group_size)
-    zeros   [N, G]   uint8   w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g], g = k // group
+    zeros   [N, G]   uint8 or fp16   w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g], g = k // group
 
 Each program computes a ``[BLOCK_M, BLOCK_N]`` tile of ``y``, walking K in ``BLOCK_K``
 steps: it loads the packed bytes of a ``[BLOCK_K, BLOCK_N]`` weight tile, unpacks the

@@ -8,20 +8,21 @@ from pdserve.engine.quantization.methods.common import DenseQuantizingMethod, de
 from pdserve.engine.quantization.registry import register
 
 
-
 class RtnMethod(DenseQuantizingMethod):
-    """Asymmetric RTN with one fp16 scale and uint8 zero per ``group_size`` input columns.
+    """Asymmetric RTN with one fp16 scale and one fp16 zero point per ``group_size`` columns.
 
-    Without calibration, small groups are what holds int4 quality: rtn-int4 uses groups of
-    32 (llama.cpp's Q4_1 block; 0.30x the bf16 bytes), rtn-int8 groups of 128. For int4 at
-    group 128, write an AWQ checkpoint with ``pdserve quantize``.
+    Without calibration, small groups and exact group minima are what hold int4 quality:
+    rtn-int4 uses groups of 32 (llama.cpp's Q4_1 block; 0.31x the bf16 bytes) in the float
+    "min" form (:func:`quantize_rtn` ``float_zeros``), rtn-int8 groups of 128. For int4 at
+    group 128, or a checkpoint other engines load, write one with ``pdserve quantize``.
     """
 
     bits = 4
     group_size = 32
 
     def build(self, spec, shards, bias):
-        weight = quantize_rtn(dense_weight(shards), self.bits, self.group_size)
+        weight = quantize_rtn(dense_weight(shards), self.bits, self.group_size,
+                              float_zeros=True)
         return IntLinear(weight, bias, spec.gemm_dtype)
 
 
