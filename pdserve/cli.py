@@ -83,6 +83,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         model=args.model, data=args.data, out=args.out, num_prompts=args.num_prompts,
         num_held_out=args.num_held_out, max_answer_tokens=args.max_answer_tokens,
         max_train_tokens=args.max_train_tokens, device=args.device, init_from=args.init_from,
+        draft_vocab_size=args.draft_vocab_size or None,
         hyper=TrainHyperParams(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                                unroll_steps=args.unroll_steps,
                                max_train_minutes=args.max_train_minutes, seed=args.seed),
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-1 head folder to continue training from (default: random init)")
     p.add_argument("--max-train-minutes", type=float, default=None,
                    help="fit the number of training steps into this wall time (measured)")
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="draft over this many most frequent answer tokens (FR-Spec; the LM "
+                        "head is most of a small model's draft step); 0: the whole vocabulary")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and training seed")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.set_defaults(func=_cmd_train_eagle)

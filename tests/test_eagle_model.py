@@ -48,7 +48,16 @@ def head_hf_config(target, layout: str) -> dict:
                   eagle_aux_hidden_state_layer_ids=AUX_IDS)
     else:
         hf.update(architectures=["LlamaForCausalLM"])
+    if layout == "eagle1-frspec":  # eagle1 + a frequency-ranked draft vocabulary
+        hf.update(eagle_layout="eagle1", draft_vocab_size=DRAFT_VOCAB)
     return hf
+
+
+def _random_vocab_map(vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    ids = torch.tensor(random.Random(seed).sample(range(vocab_size), DRAFT_VOCAB))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(DRAFT_VOCAB), "t2d": t2d}
 
 
 def random_official_tensors(target, layout: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -63,6 +72,8 @@ def random_official_tensors(target, layout: str, seed: int = 0) -> dict[str, tor
     def norm() -> torch.Tensor:
         return 1.0 + rnd(H)
 
+    frspec = layout == "eagle1-frspec"
+    layout = "eagle1" if frspec else layout
     pre = "layers.0." if layout == "eagle1" else "midlayer."
     qkv_in = H if layout == "eagle1" else 2 * H
     w = {
@@ -78,6 +89,8 @@ def random_official_tensors(target, layout: str, seed: int = 0) -> dict[str, tor
     if layout == "eagle1":
         w.update({"fc.weight": rnd(H, 2 * H), "fc.bias": rnd(H),
                   "embed_tokens.weight": rnd(t.vocab_size, H)})  # shipped by EAGLE; ignored
+        if frspec:
+            w.update(_random_vocab_map(t.vocab_size, seed))
     else:
         ids = sorted(random.Random(seed).sample(range(t.vocab_size), DRAFT_VOCAB))
         target_ids = torch.tensor(ids)
@@ -211,6 +224,41 @@ def test_eagle1_checkpoint_skips_shipped_embedding_and_uses_target_lm_head(targe
     hidden = torch.randn(3, target.cfg.hidden_size)
     torch.testing.assert_close(head.compute_logits(hidden), hidden @ target.lm_head.weight.T)
     assert head.combine_target_hidden(hidden) is hidden
+
+
+def test_eagle1_draft_vocabulary_drafts_only_its_ids_through_the_shared_lm_head(target,
+                                                                                tmp_path):
+    """FR-Spec on an eagle1 head: logits exist only on the d2t ids and are the target's LM
+    head rows of those ids; the cheap path returns the same numbers unscattered."""
+    tensors = random_official_tensors(target, "eagle1-frspec")
+    folder = write_head(tmp_path / "frspec", head_hf_config(target, "eagle1-frspec"), tensors)
+    head = load_eagle_model(folder, target, TorchAttentionBackend(CPU), 256, torch.float32)
+    assert head.cfg.layout == "eagle1" and head.has_draft_vocab
+    ids = torch.arange(DRAFT_VOCAB) + tensors["d2t"]
+    assert torch.equal(head.draft_token_ids(), ids)
+    hidden = torch.randn(4, target.cfg.hidden_size)
+    logits = head.compute_logits(hidden)
+    assert int(torch.isfinite(logits).sum()) == 4 * DRAFT_VOCAB
+    expected = hidden @ target.lm_head.weight[ids].T
+    torch.testing.assert_close(logits[:, ids], expected)
+    small, small_ids = head.compute_draft_logits(hidden)
+    assert small.shape == (4, DRAFT_VOCAB) and torch.equal(small_ids, ids)
+    torch.testing.assert_close(small, expected)
+    # the greedy draft is the target's argmax restricted to the draft ids
+    assert torch.equal(small_ids[small.argmax(-1)], logits.argmax(-1))
+
+
+def test_draft_vocabulary_without_its_map_or_with_duplicates_is_rejected(target, tmp_path):
+    tensors = random_official_tensors(target, "eagle1-frspec")
+    hf = head_hf_config(target, "eagle1-frspec")
+    no_map = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    with pytest.raises(ValueError, match="no 'd2t' map"):
+        load_eagle_model(write_head(tmp_path / "a", hf, no_map), target,
+                         TorchAttentionBackend(CPU), 256, torch.float32)
+    dup = dict(tensors, d2t=-torch.arange(DRAFT_VOCAB))  # every draft id -> target id 0
+    with pytest.raises(ValueError, match="same target id"):
+        load_eagle_model(write_head(tmp_path / "b", hf, dup), target,
+                         TorchAttentionBackend(CPU), 256, torch.float32)
 
 
 def test_missing_folder_is_a_clear_file_not_found(target, tmp_path):

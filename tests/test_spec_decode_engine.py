@@ -153,7 +153,7 @@ def test_no_blocks_leak_after_200_requests_with_aborts(qwen3):
     assert engine.num_free_blocks == engine.block_manager.num_blocks
 
 
-@pytest.fixture(scope="module", params=["eagle1", "eagle3"])
+@pytest.fixture(scope="module", params=["eagle1", "eagle1-frspec", "eagle3"])
 def eagle_head(qwen3, request, tmp_path_factory):
     """A random-weight EAGLE head in the official layout for the tiny Qwen3."""
     from test_eagle_model import head_hf_config, random_official_tensors, write_head

@@ -72,6 +72,36 @@ def test_saved_head_reloads_with_the_same_outputs(distilled, tmp_path):
     assert len(estimate.acceptance_rates) == 4 and estimate.num_starts > 0
 
 
+def test_head_with_a_frequency_ranked_draft_vocabulary_trains_saves_and_reloads(distilled,
+                                                                               tmp_path):
+    from pdserve.engine.spec_decode.eagle_data import DistillSequence as Seq
+    from pdserve.engine.spec_decode.train_eagle import frequent_token_ids
+
+    target, data = distilled
+    vocab = target.cfg.vocab_size
+    seqs = [Seq(d.token_ids[:d.num_prompt_tokens].tolist(),
+                d.token_ids[d.num_prompt_tokens:].tolist(), d.is_held_out) for d in data]
+    ids, coverage = frequent_token_ids(seqs[:6], 32, vocab)
+    answers = torch.tensor([t for s in seqs[:6] for t in s.answer_ids])
+    counts = torch.bincount(answers, minlength=vocab)
+    assert len(ids.unique()) == 32 and counts[ids[0]] == counts.max()
+    assert (counts[ids[:-1]] >= counts[ids[1:]]).all()  # most frequent first
+    assert coverage == pytest.approx(float(counts[ids].sum()) / len(answers))
+
+    torch.manual_seed(0)
+    head = new_head(target, "cpu", 64, PackedCausalAttention(), ids)
+    assert torch.equal(head.draft_token_ids(), ids)
+    history = train_head(head, data[:6], TrainHyperParams(epochs=4, batch_tokens=80),
+                         use_tqdm=False)
+    assert history.loss_vocab_size == 32 and all(torch.isfinite(torch.tensor(history.losses)))
+    save_head(head, tmp_path, {})
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 32
+    loaded = load_eagle_model(tmp_path, target, TorchAttentionBackend(CPU), 64, torch.float32)
+    assert torch.equal(loaded.draft_token_ids(), ids)  # int64 map survives the bf16 save
+    logits = loaded.compute_logits(torch.randn(3, target.cfg.hidden_size))
+    assert torch.isfinite(logits).sum() == 3 * 32 and torch.isfinite(logits[:, ids]).all()
+
+
 def test_brown_tags_are_removed_and_quotes_attached():
     tagged = "The/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' ,/, again/rb ./."
     assert detag_sentence(tagged) == 'The jury said "no evidence", again.'

@@ -35,6 +35,15 @@ Data flow of one draft step (``N`` tokens; ``e = embed(token at p+1)``, ``h`` = 
 
 ``h`` is ``combine_target_hidden(target features)`` for the first draft step and the
 draft's own previous output for chained steps.
+
+An eagle1 head may also carry a frequency-ranked draft vocabulary (FR-Spec, Zhao et al.
+2025, "FR-Spec: Accelerating Large-Vocabulary Language Models via Frequency-Ranked
+Speculative Sampling"): ``draft_vocab_size`` in its config and a ``d2t [V_draft]`` map
+(EAGLE-3's convention). It then drafts only over those target ids, through the matching
+rows of the shared LM head: on a small model the LM head is most of a draft step's cost
+(SmolLM2-135M: 49,152 x 576 against 3.5M weights in the layer). Verification is
+unchanged, so output stays the target's; only tokens outside the draft vocabulary can
+no longer be drafted.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention.base import AttentionBackend
@@ -174,8 +184,16 @@ class EagleDraftModel(nn.Module):
         arch = cfg.arch_config(tcfg.vocab_size)
         self.fc = nn.Linear(cfg.fc_input_size, cfg.hidden_size, bias=cfg.has_fc_bias)
         layer = EagleDecoderLayer(cfg, arch, backend, max_position)
+        self._draft_lm_head: torch.Tensor | None = None  # eagle1 + draft vocab, built lazily
         if cfg.layout == "eagle1":
             self.layers = nn.ModuleList([layer])
+            if cfg.draft_vocab_size is not None:
+                if cfg.draft_vocab_size > tcfg.vocab_size:
+                    raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} exceeds the "
+                                     f"target's vocab_size {tcfg.vocab_size}")
+                self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size,
+                                                        dtype=torch.int64))
+                self.register_buffer("t2d", torch.zeros(tcfg.vocab_size, dtype=torch.bool))
         else:
             self.midlayer = layer
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -235,20 +253,63 @@ class EagleDraftModel(nn.Module):
             return layer(positions, embeds, x, kv_caches[0], attn_metadata)
         return layer(positions, embeds, hidden, kv_caches[0], attn_metadata)
 
+    @property
+    def has_draft_vocab(self) -> bool:
+        """Whether drafts are restricted to a draft vocabulary (eagle3, or eagle1 + FR-Spec)."""
+        return self.cfg.draft_vocab_size is not None
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """``[V_draft]`` int64: the target id of each draft id (``arange + d2t``).
+
+        Raises:
+            ValueError: the head has no draft vocabulary.
+        """
+        if not self.has_draft_vocab:
+            raise ValueError("this EAGLE head drafts over the whole target vocabulary")
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def compute_draft_logits(self, draft_hidden: torch.Tensor,
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits over the draft vocabulary only (the cheap path for drafting).
+
+        Args:
+            draft_hidden: ``[N, H]`` this module's output.
+
+        Returns:
+            ``(logits [N, V_draft] fp32, draft_token_ids [V_draft] int64)``; without a draft
+            vocabulary ``(logits [N, target_vocab], None)``.
+        """
+        if self.cfg.layout == "eagle3":
+            return self.lm_head(self.norm(draft_hidden)).float(), self.draft_token_ids()
+        if not self.has_draft_vocab:
+            return self.target.compute_logits(draft_hidden), None
+        if self._draft_lm_head is None:
+            # FR-Spec: the shared LM head's rows of the draft ids, gathered once (the target's
+            # weights are frozen while serving). A head without a dense weight (a quantized
+            # LM head) falls back to slicing full logits.
+            weight = getattr(self.target.lm_head, "weight", None)
+            ids = self.draft_token_ids()
+            self._draft_lm_head = (weight.detach()[ids].contiguous()
+                                   if isinstance(weight, torch.Tensor) else torch.empty(0))
+        if self._draft_lm_head.numel() == 0:
+            return self.target.compute_logits(draft_hidden)[:, self.draft_token_ids()], \
+                self.draft_token_ids()
+        w = self._draft_lm_head
+        return F.linear(draft_hidden.to(w.dtype), w).float(), self.draft_token_ids()
+
     def compute_logits(self, draft_hidden: torch.Tensor) -> torch.Tensor:
         """``draft_hidden [N, H] -> logits [N, target_vocab]`` fp32 over target token ids.
 
-        eagle1: the target's LM head. eagle3: its own LM head over the draft vocabulary,
+        eagle1: the target's LM head (or, with a draft vocabulary, its draft rows). eagle3:
+        its own LM head over the draft vocabulary. With a draft vocabulary the logits are
         scattered to target ids ``draft_id + d2t[draft_id]``; every other target id is
         ``-inf`` (never drafted).
         """
-        if self.cfg.layout == "eagle1":
-            return self.target.compute_logits(draft_hidden)
-        draft_logits = self.lm_head(self.norm(draft_hidden)).float()  # [N, V_draft]
-        ids = torch.arange(draft_logits.shape[-1], device=draft_logits.device) + self.d2t
-        out = draft_logits.new_full((draft_logits.shape[0], self.target_vocab_size),
-                                    float("-inf"))
-        out[:, ids] = draft_logits
+        logits, ids = self.compute_draft_logits(draft_hidden)
+        if ids is None:
+            return logits
+        out = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
+        out[:, ids] = logits
         return out
 
     def _fused_shard(self, fused: str, index: int) -> tuple[int, int]:
@@ -272,7 +333,8 @@ class EagleDraftModel(nn.Module):
         return name
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     require_vocab_map: bool = True) -> set[str]:
         """Copy checkpoint tensors (official EAGLE names) into this module.
 
         ``embed_tokens.*`` is skipped (shared with the target); q/k/v and gate/up go into
@@ -282,9 +344,11 @@ class EagleDraftModel(nn.Module):
             Our parameter and buffer names that were written.
 
         Raises:
-            ValueError: for an unknown tensor name, a shape mismatch, or (eagle3) a draft
-                vocabulary smaller than the target's without ``d2t``; and for any parameter
-                the checkpoint did not provide.
+            ValueError: for an unknown tensor name, a shape mismatch, or a draft
+                vocabulary smaller than the target's without ``d2t`` (unless
+                ``require_vocab_map`` is False: the caller sets ``d2t`` itself, as
+                ``train-eagle --init-from`` does); and for any parameter the checkpoint did
+                not provide.
         """
         tensors = dict(self.named_parameters())
         tensors.update(self.named_buffers())
@@ -298,6 +362,8 @@ class EagleDraftModel(nn.Module):
                 if frag in name:
                     name, shard = name.replace(frag, fused), self._fused_shard(fused, index)
                     break
+            if name in ("d2t", "t2d") and not require_vocab_map:
+                continue
             if name not in tensors:
                 raise ValueError(f"EAGLE checkpoint tensor {raw_name!r} has no matching parameter "
                                  f"in a {self.cfg.layout} head")
@@ -312,18 +378,21 @@ class EagleDraftModel(nn.Module):
         missing = set(dict(self.named_parameters())) - loaded
         if missing:
             raise ValueError(f"EAGLE checkpoint is missing tensors: {sorted(missing)[:5]}")
-        if self.cfg.layout == "eagle3":
+        if self.has_draft_vocab and require_vocab_map:
             self._check_vocab_maps(loaded)
         return loaded
 
     def _check_vocab_maps(self, loaded: set[str]) -> None:
-        """eagle3: derive/validate ``d2t``/``t2d`` (identity when the vocabularies agree)."""
+        """Derive/validate ``d2t``/``t2d`` (identity when the vocabularies agree)."""
+        self._draft_lm_head = None
         if "d2t" not in loaded and self.cfg.draft_vocab_size != self.target_vocab_size:
-            raise ValueError(f"EAGLE-3 checkpoint has draft_vocab_size {self.cfg.draft_vocab_size} "
+            raise ValueError(f"EAGLE checkpoint has draft_vocab_size {self.cfg.draft_vocab_size} "
                              f"< target vocab {self.target_vocab_size} but no 'd2t' map")
         target_ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
         if int(target_ids.min()) < 0 or int(target_ids.max()) >= self.target_vocab_size:
-            raise ValueError("EAGLE-3 'd2t' maps draft ids outside the target vocabulary")
+            raise ValueError("EAGLE 'd2t' maps draft ids outside the target vocabulary")
+        if len(target_ids.unique()) != len(target_ids):
+            raise ValueError("EAGLE 'd2t' maps two draft ids to the same target id")
         if "t2d" not in loaded:
             self.t2d.zero_()
             self.t2d[target_ids] = True

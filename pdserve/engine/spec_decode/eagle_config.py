@@ -60,7 +60,10 @@ class EagleConfig:
         layout: ``"eagle1"`` (EAGLE-1/2 heads) or ``"eagle3"``.
         hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps:
             the draft decoder layer.
-        draft_vocab_size: eagle3: rows of its own LM head (None: eagle1).
+        draft_vocab_size: eagle3: rows of its own LM head. eagle1: None (drafts over the
+            target's whole vocabulary) or the size of a frequency-ranked draft vocabulary
+            (FR-Spec, Zhao et al. 2025): the head's ``d2t`` map picks that many rows of the
+            shared LM head, so each draft step's LM head costs ``draft_vocab_size / vocab``.
         aux_layer_ids: eagle3: target layers whose inputs are fused (low, mid, high); empty
             means :func:`default_aux_layer_ids` of the target (resolved at load).
         has_fc_bias: whether ``fc`` has a bias (EAGLE-1/2 checkpoints do).
@@ -106,9 +109,13 @@ class EagleConfig:
                                        or min(self.aux_layer_ids) < 0):
                 raise ValueError("eagle_aux_hidden_state_layer_ids must be 3 non-negative layer "
                                  f"ids (low, mid, high), got {list(self.aux_layer_ids)}")
-        elif self.draft_vocab_size is not None or self.aux_layer_ids:
-            raise ValueError("draft_vocab_size / aux layer ids are eagle3 fields; this config "
-                             "has eagle_layout 'eagle1'")
+        elif self.aux_layer_ids:
+            raise ValueError("aux layer ids are an eagle3 field; this config has eagle_layout "
+                             "'eagle1'")
+        elif self.draft_vocab_size is not None and (
+                not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size <= 0):
+            raise ValueError("draft_vocab_size must be a positive integer, got "
+                             f"{self.draft_vocab_size!r}")
 
     @classmethod
     def from_dict(cls, hf: dict) -> "EagleConfig":
@@ -132,6 +139,8 @@ class EagleConfig:
         if layout == "eagle3":
             key = "draft_vocab_size" if hf.get("draft_vocab_size") is not None else "vocab_size"
             draft_vocab = _int_field(hf, key)
+        elif hf.get("draft_vocab_size") is not None:  # frequency-ranked draft vocabulary
+            draft_vocab = _int_field(hf, "draft_vocab_size")
         try:
             aux_ids = tuple(int(i) for i in aux or ()) if layout == "eagle3" else ()
             eps = float(hf.get("rms_norm_eps", 1e-6))

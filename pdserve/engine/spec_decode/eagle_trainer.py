@@ -9,8 +9,9 @@ with ``w_cls = 0.1`` and uniform feature noise ``U(-0.1, 0.1)``, AdamW, gradient
 0.5. Only the head is trained; the target's embedding and LM head are frozen and shared.
 Losses count answer positions only (``i >= P - 1``: where the head drafts in serving).
 
-The classification softmax runs over the ids the teacher ever ranks in its top-k (see
-:func:`loss_vocab`), which cuts the cost of the LM head in training several times.
+The classification softmax runs over the head's draft vocabulary when it has one
+(FR-Spec), else over the ids the teacher ever ranks in its top-k (see :func:`loss_vocab`),
+which cuts the cost of the LM head in training several times.
 
 Optionally (``unroll_steps > 1``) each batch is also run again on the head's own
 predictions, as in EAGLE-3's training-time test (Li et al. 2025, sec. 3.2): step ``j``
@@ -118,12 +119,14 @@ class LossVocab:
 
     Attributes:
         lm_head: ``[C, H]`` rows of the target's LM head for the candidate ids (frozen).
-        index: ``[V]`` int64, the candidate index of each target id (0 for non-candidates,
-            which never occur as labels).
+        index: ``[V]`` int64, the candidate index of each target id (0 for non-candidates).
+        member: ``[V]`` bool, which target ids are candidates (teacher mass on the others
+            is dropped: a head with a draft vocabulary can never draft them).
     """
 
     lm_head: torch.Tensor
     index: torch.Tensor
+    member: torch.Tensor
 
     @property
     def size(self) -> int:
@@ -138,11 +141,17 @@ def loss_vocab(head: EagleDraftModel, data: Sequence[TargetFeatures]) -> LossVoc
     only add cost (EAGLE-3's reduced draft vocabulary, applied here to the loss alone;
     the trained head still drafts over the full vocabulary).
     """
-    ids = torch.cat([d.teacher_ids[d.teacher_probs > 0] for d in data]).unique()
+    if head.has_draft_vocab:  # the softmax the head drafts with (FR-Spec / EAGLE-3)
+        ids = head.draft_token_ids().cpu()
+    else:
+        ids = torch.cat([d.teacher_ids[d.teacher_probs > 0] for d in data]).unique()
     weight = head.target.lm_head.weight
     index = torch.zeros(weight.shape[0], dtype=torch.int64)
     index[ids] = torch.arange(len(ids))
-    return LossVocab(weight[ids.to(weight.device)].detach().float(), index.to(weight.device))
+    member = torch.zeros(weight.shape[0], dtype=torch.bool)
+    member[ids] = True
+    return LossVocab(weight[ids.to(weight.device)].detach().float(), index.to(weight.device),
+                     member.to(weight.device))
 
 
 def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: TrainHyperParams,
@@ -191,10 +200,15 @@ def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: Tra
         reg_idx, cls_idx = torch.cat(reg_rows).to(device), torch.cat(cls_rows).to(device)
         reg = F.smooth_l1_loss(out[reg_idx], torch.cat(reg_targets).to(device))
         teacher_ids, teacher_probs = torch.cat(t_ids).to(device), torch.cat(t_probs).to(device)
+        top_in_vocab = None
         if vocab is None:
             logits = head.compute_logits(out[cls_idx])  # [n, V] fp32
         else:
             logits = F.linear(out[cls_idx].float(), vocab.lm_head)  # [n, C] fp32
+            in_vocab = vocab.member[teacher_ids]  # [n, k]
+            top_in_vocab = in_vocab[:, 0]
+            teacher_probs = teacher_probs * in_vocab
+            teacher_probs = teacher_probs / teacher_probs.sum(-1, keepdim=True).clamp_min(1e-12)
             teacher_ids = vocab.index[teacher_ids]
         logprobs = torch.log_softmax(logits, dim=-1)
         cls = -(teacher_probs * logprobs.gather(1, teacher_ids)).sum(-1).mean()
@@ -202,7 +216,10 @@ def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: Tra
         reg_sum += reg.item()
         cls_sum += cls.item()
         if j == 1:
-            top1 = float((logprobs.argmax(-1) == teacher_ids[:, 0]).float().mean())
+            hit = logprobs.argmax(-1) == teacher_ids[:, 0]
+            if top_in_vocab is not None:
+                hit &= top_in_vocab
+            top1 = float(hit.float().mean())
         num_tokens += sum(lens)
         # Step j + 1 feeds f̂_{i+1} (row i of this step) as the feature of position i + 1.
         prev, start = {}, 0
@@ -270,8 +287,8 @@ def train_head(head: EagleDraftModel, data: Sequence[TargetFeatures], hp: TrainH
     generator = torch.Generator().manual_seed(hp.seed)
     batches_per_epoch = len(make_batches(data, hp.batch_tokens, random.Random(0)))
     plan = _StepPlan(max(1, math.ceil(batches_per_epoch * hp.epochs)), hp.warmup_fraction)
-    vocab = loss_vocab(head, data) if hp.restrict_loss_vocab and head.cfg.layout == "eagle1" \
-        else None
+    vocab = loss_vocab(head, data) if (hp.restrict_loss_vocab and head.cfg.layout == "eagle1"
+                                       ) else None
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=(0.9, 0.95), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)

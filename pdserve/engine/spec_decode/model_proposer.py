@@ -143,7 +143,7 @@ class ModelProposer:
             eos_token_id=None, vocab_size=self.runner.arch.vocab_size,
             device=self.runner.device)
         hidden = out[torch.tensor(drafting, dtype=torch.int64, device=self.runner.device)]
-        tokens, probs = self._sample(self.model.compute_logits(hidden), smeta)
+        tokens, probs = self._sample(hidden, smeta)
         all_tokens = [[t] for t in tokens]
         all_probs = [[q] if q is not None else [] for q in probs]
         active = list(range(len(drafting)))  # indexes into drafting; rows of `hidden`
@@ -158,8 +158,7 @@ class ModelProposer:
             hidden = self._run_chain([plans[drafting[j]] for j in active],
                                      [all_tokens[j][-1] for j in active], step,
                                      self._chain_hidden(hidden[sel]))
-            new_tokens, new_probs = self._sample(self.model.compute_logits(hidden),
-                                                 _select_rows(smeta, active))
+            new_tokens, new_probs = self._sample(hidden, _select_rows(smeta, active))
             for row, j in enumerate(active):
                 all_tokens[j].append(new_tokens[row])
                 if new_probs[row] is not None:
@@ -228,14 +227,27 @@ class ModelProposer:
         return self._forward(torch.tensor(tokens, dtype=torch.int64, device=dev),
                              torch.tensor(positions, dtype=torch.int64, device=dev), hidden, meta)
 
-    def _sample(self, logits: torch.Tensor,
+    def _sample(self, hidden: torch.Tensor,
                 smeta: SamplingMetadata) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Draft tokens from ``[R, V]`` fp32 logits: argmax for greedy requests, else a sample
-        from the truncated ``softmax(logits / T)``. Also returns per row
-        ``q = softmax(logits / T)`` (``[V]`` fp32, before truncation, as verification takes
-        it) for sampling requests and None for greedy ones."""
+        """Draft tokens from the drafter's ``[R, H]`` states: argmax for greedy requests, else
+        a sample from the truncated ``softmax(logits / T)``. Also returns per row
+        ``q = softmax(logits / T)`` (``[V]`` fp32 over target ids, before truncation, as
+        verification takes it) for sampling requests and None for greedy ones.
+
+        A drafter with a draft vocabulary (``compute_draft_logits`` returning its target ids)
+        is argmaxed over that vocabulary directly; sampling rows see ``-inf`` elsewhere."""
+        draft_logits = getattr(self.model, "compute_draft_logits", None)
+        if draft_logits is None:
+            logits, ids = self.model.compute_logits(hidden), None
+        else:
+            logits, ids = draft_logits(hidden)
         if smeta.all_greedy:
-            return logits.argmax(dim=-1).tolist(), [None] * logits.shape[0]
+            best = logits.argmax(dim=-1)
+            return (best if ids is None else ids[best]).tolist(), [None] * logits.shape[0]
+        if ids is not None:
+            full = logits.new_full((logits.shape[0], self.runner.arch.vocab_size), float("-inf"))
+            full[:, ids] = logits
+            logits = full
         is_greedy = smeta.temperature <= GREEDY_TEMPERATURE  # [R] bool
         temperature = torch.where(is_greedy, 1.0, smeta.temperature)
         scaled = logits / temperature.unsqueeze(1)

@@ -60,6 +60,9 @@ class TrainEagleConfig:
         hyper: optimization settings.
         init_from: an EAGLE-1 head folder to start from (continue training), or None for
             a random start.
+        draft_vocab_size: size of the frequency-ranked draft vocabulary (FR-Spec, Zhao et
+            al. 2025): the most frequent ids of the training answers; None or the target's
+            vocabulary size to draft over every id.
 
     Raises:
         ValueError: naming the field, for a bad value.
@@ -75,8 +78,11 @@ class TrainEagleConfig:
     device: str = "cpu"
     hyper: TrainHyperParams = field(default_factory=TrainHyperParams)
     init_from: Path | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_vocab_size is not None and self.draft_vocab_size <= 0:
+            raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
         for name in ("num_prompts", "num_held_out", "max_answer_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -105,8 +111,10 @@ class TrainEagleResult:
     elapsed_s: float
 
 
-def head_config_dict(target_hf: dict, provenance: dict) -> dict:
-    """``config.json`` of an EAGLE-1 head for a target (``eagle_layout`` plus the Llama fields)."""
+def head_config_dict(target_hf: dict, provenance: dict,
+                     draft_vocab_size: int | None = None) -> dict:
+    """``config.json`` of an EAGLE-1 head for a target (``eagle_layout`` plus the Llama fields;
+    ``draft_vocab_size`` when it drafts over a frequency-ranked vocabulary)."""
     num_heads = int(target_hf["num_attention_heads"])
     hf = {
         "architectures": ["LlamaForCausalLM"],
@@ -125,6 +133,8 @@ def head_config_dict(target_hf: dict, provenance: dict) -> dict:
         "fc_bias": True,
         "torch_dtype": "bfloat16",
     }
+    if draft_vocab_size is not None:
+        hf["draft_vocab_size"] = draft_vocab_size
     hf.update({k: target_hf[k] for k in _ROPE_KEYS if k in target_hf})
     hf["pdserve_provenance"] = provenance
     return hf
@@ -132,10 +142,11 @@ def head_config_dict(target_hf: dict, provenance: dict) -> dict:
 
 def head_state_dict(head: EagleDraftModel, dtype: torch.dtype = torch.bfloat16,
                     ) -> dict[str, torch.Tensor]:
-    """The head's tensors under official EAGLE-1 names (fused projections split), in ``dtype``."""
+    """The head's tensors under official EAGLE-1 names (fused projections split); floating
+    tensors in ``dtype`` (the ``d2t``/``t2d`` maps keep int64/bool)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in head.state_dict().items():
-        tensor = tensor.detach().to("cpu", dtype)
+        tensor = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else None)
         for fused, parts in _UNFUSED.items():
             if fused in name:
                 sizes = [head._fused_shard(fused, i)[1] for i in range(len(parts))]
@@ -156,15 +167,48 @@ def save_head(head: EagleDraftModel, out: Path, provenance: dict) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(head_state_dict(head), str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = head_config_dict(head.target.cfg.hf_config, provenance)
+    config = head_config_dict(head.target.cfg.hf_config, provenance, head.cfg.draft_vocab_size)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def new_head(target, device: str, max_position: int, backend) -> EagleDraftModel:
-    """A randomly initialized fp32 EAGLE-1 head for ``target``."""
-    cfg = EagleConfig.from_dict(head_config_dict(target.cfg.hf_config, {}))
+def new_head(target, device: str, max_position: int, backend,
+             draft_token_ids: torch.Tensor | None = None) -> EagleDraftModel:
+    """A randomly initialized fp32 EAGLE-1 head for ``target``.
+
+    Args:
+        draft_token_ids: ``[V_draft]`` int64 distinct target ids (most frequent first) for a
+            frequency-ranked draft vocabulary, or None for the whole vocabulary.
+    """
+    size = None if draft_token_ids is None else len(draft_token_ids)
+    cfg = EagleConfig.from_dict(head_config_dict(target.cfg.hf_config, {}, size))
     with torch.device(device):
-        return EagleDraftModel(cfg, target, backend, max_position)
+        head = EagleDraftModel(cfg, target, backend, max_position)
+    if draft_token_ids is not None:
+        ids = draft_token_ids.to(head.d2t.device)
+        head.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+    return head
+
+
+def frequent_token_ids(sequences: list[DistillSequence], size: int, vocab_size: int,
+                       ) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent answer token ids of ``sequences`` (FR-Spec's ranking).
+
+    Ids that never occur fill the rest in id order (so ``size`` may exceed the number of
+    distinct answer tokens).
+
+    Returns:
+        ``([size] int64 ids, most frequent first; fraction of answer tokens they cover)``.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for seq in sequences:
+        counts += torch.bincount(torch.tensor(seq.answer_ids, dtype=torch.int64),
+                                 minlength=vocab_size)
+    # stable: equal counts keep id order
+    order = torch.sort(counts, descending=True, stable=True).indices[:size]
+    covered = float(counts[order].sum()) / max(1, int(counts.sum()))
+    return order, covered
 
 
 def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
@@ -287,13 +331,19 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     suffix = f".{len(train_seqs)}.features.pt"
     train_data = _features(target, train_seqs, stem.with_suffix(".train" + suffix), use_tqdm)
     held_data = _features(target, held_seqs, stem.with_suffix(".held" + suffix), use_tqdm)
-    head = new_head(target, cfg.device, max_position, PackedCausalAttention())
+    draft_ids, coverage = None, 1.0
+    vocab_size = target.cfg.vocab_size
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < vocab_size:
+        draft_ids, coverage = frequent_token_ids(train_seqs, cfg.draft_vocab_size, vocab_size)
+        log(f"draft vocabulary: {cfg.draft_vocab_size} most frequent ids cover "
+            f"{coverage:.2%} of the training answers' tokens")
+    head = new_head(target, cfg.device, max_position, PackedCausalAttention(), draft_ids)
     if cfg.init_from is not None:
-        head.load_weights(iter_checkpoint(Path(cfg.init_from)))
+        head.load_weights(iter_checkpoint(Path(cfg.init_from)), require_vocab_map=False)
     history = train_head(head, train_data, cfg.hyper, use_tqdm=use_tqdm)
 
     paged = new_head(target, cfg.device, max_position,
-                     TorchAttentionBackend(torch.device(cfg.device)))
+                     TorchAttentionBackend(torch.device(cfg.device)), draft_ids)
     paged.load_state_dict(head.state_dict())
     estimate = estimate_acceptance(paged.eval(), held_data, num_speculative_tokens=4)
     log(f"held-out: {estimate.summary()}")
@@ -312,6 +362,8 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         "hyperparameters": asdict(cfg.hyper),
         "num_steps": history.num_steps,
         "loss_vocab_size": history.loss_vocab_size,
+        "draft_vocab_size": None if draft_ids is None else len(draft_ids),
+        "draft_vocab_answer_coverage": round(coverage, 4),
         "train_time_s": round(history.elapsed_s, 1),
         "final_loss": history.losses[-1],
         "heldout_mean_acceptance_length_k4": round(estimate.mean_acceptance_length, 4),
