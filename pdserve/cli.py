@@ -84,6 +84,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         num_held_out=args.num_held_out, max_answer_tokens=args.max_answer_tokens,
         max_train_tokens=args.max_train_tokens, device=args.device, init_from=args.init_from,
         draft_vocab_size=args.draft_vocab_size or None,
+        self_written_prompts=args.self_written_prompts,
         hyper=TrainHyperParams(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                                unroll_steps=args.unroll_steps,
                                max_train_minutes=args.max_train_minutes, seed=args.seed),
@@ -294,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-1 head folder to continue training from (default: random init)")
     p.add_argument("--max-train-minutes", type=float, default=None,
                    help="fit the number of training steps into this wall time (measured)")
+    p.add_argument("--self-written-prompts", type=int, default=0,
+                   help="also train on this many chat requests the target writes itself "
+                        "(Magpie), with its answers; 1 in 8 more are held out")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="draft over this many most frequent answer tokens (FR-Spec; the LM "
                         "head is most of a small model's draft step); 0: the whole vocabulary")

@@ -70,3 +70,25 @@ def test_shipped_head_drafts_the_default_models_greedy_answer(default_model_path
     estimate = estimate_acceptance(head, data, num_speculative_tokens=4)
     print(f"shipped head: {estimate}")
     assert estimate.mean_acceptance_length > 1.1
+
+
+def test_target_writes_its_own_chat_requests(default_model_path):
+    """Magpie-style prompts: the user-turn prefix of SmolLM2's ChatML template, continued by
+    the model itself, gives distinct, finished requests, the same for the same seed."""
+    from pdserve.engine import LLM
+    from pdserve.engine.spec_decode.eagle_data import (
+        generate_self_written_prompts,
+        self_written_specs,
+        user_turn_prefix_ids,
+    )
+
+    llm = LLM(str(default_model_path), dtype="float32", load_progress=False, max_model_len=256)
+    prefix = llm.tokenizer.decode(user_turn_prefix_ids(llm.tokenizer))
+    assert prefix.endswith("<|im_start|>user\n") and "<|im_start|>system" in prefix
+    texts = generate_self_written_prompts(llm, 6, seed=1, use_tqdm=False)
+    assert len(texts) == len(set(texts)) == 6
+    assert all(len(t.split()) >= 4 and "<|im_end|>" not in t for t in texts)
+    assert generate_self_written_prompts(llm, 6, seed=1, use_tqdm=False) == texts
+    specs = self_written_specs(texts, 2)
+    assert [s.is_held_out for s in specs] == [False] * 4 + [True] * 2
+    assert all(s.is_chat for s in specs)

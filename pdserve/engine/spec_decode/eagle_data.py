@@ -14,6 +14,12 @@ of the remaining files is held out for the acceptance estimate::
     corpus files (500) ─┬─ cg22                        -> never read
                         ├─ every HELD_OUT_EVERY-th file -> held-out prompts (evaluation)
                         └─ the rest                     -> training prompts
+
+Brown excerpts make prompts about old American prose; users ask chat questions. So the
+target can also write the user turns itself (:func:`generate_self_written_prompts`,
+after Magpie: Xu et al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting
+Aligned LLMs with Nothing"): given only its chat template up to the start of a user
+message, an instruction-tuned model samples a plausible user request.
 """
 
 from __future__ import annotations
@@ -289,3 +295,68 @@ def load_sequences(path: Path) -> list[DistillSequence]:
     """Read what :func:`save_sequences` wrote."""
     with path.open() as f:
         return [DistillSequence(**json.loads(line)) for line in f if line.strip()]
+
+
+#: Marks the user message when the chat template is rendered to find the user-turn prefix.
+_USER_PLACEHOLDER = "\x00PDSERVE_USER\x00"
+
+
+def user_turn_prefix_ids(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user message's text begins.
+
+    Raises:
+        ValueError: the template has no place for the user's text (cannot be cut there).
+    """
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _USER_PLACEHOLDER}],
+                                         tokenize=False, add_generation_prompt=False)
+    if _USER_PLACEHOLDER not in text:
+        raise ValueError("the chat template does not show the user message verbatim; "
+                         "self-written prompts need a template that does")
+    return tokenizer.encode(text[:text.index(_USER_PLACEHOLDER)], add_special_tokens=False)
+
+
+def generate_self_written_prompts(llm, count: int, seed: int, max_tokens: int = 64,
+                                  use_tqdm: bool = True) -> list[str]:
+    """``count`` distinct user requests sampled from the target itself (Magpie).
+
+    The target continues its chat template's user-turn prefix with temperature 1 and
+    top-p 0.95, each request with its own seed (``seed * 1_000_003 + i``), so the set is
+    reproducible. Requests that do not end (EOS) within ``max_tokens`` tokens, are under
+    four words or repeat an earlier one are dropped; up to four rounds of 1.5x ``count``
+    samples are drawn until ``count`` are kept.
+
+    Raises:
+        ValueError: the chat template cannot be cut at the user message, or ``count``
+            requests could not be collected.
+    """
+    from pdserve.engine.sampling_params import SamplingParams
+
+    prefix = user_turn_prefix_ids(llm.tokenizer)
+    kept: list[str] = []
+    seen: set[str] = set()
+    next_seed = seed * 1_000_003
+    for _ in range(4):
+        need = count - len(kept)
+        if need <= 0:
+            break
+        n = max(8, need * 3 // 2)
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens,
+                                 seed=next_seed + i) for i in range(n)]
+        next_seed += n
+        outs = llm.generate([prefix] * n, params, use_tqdm=use_tqdm)
+        for out in outs:
+            comp = out.outputs[0]
+            text = comp.text.strip()
+            if comp.finish_reason != "stop" or len(text.split()) < 4 or text in seen:
+                continue
+            seen.add(text)
+            kept.append(text)
+    if len(kept) < count:
+        raise ValueError(f"only {len(kept)} of {count} self-written prompts were usable")
+    return kept[:count]
+
+
+def self_written_specs(texts: Sequence[str], num_held_out: int) -> list[PromptSpec]:
+    """Chat prompt specs of self-written requests; the last ``num_held_out`` are held out."""
+    cut = len(texts) - num_held_out
+    return [PromptSpec(t, True, i >= cut) for i, t in enumerate(texts)]

@@ -116,6 +116,7 @@ def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[Distil
             teacher_ids[first:] = top_ids.cpu()
             teacher_probs[first:] = (top_probs / top_probs.sum(-1, keepdim=True)).cpu()
             out.append(TargetFeatures(
-                torch.tensor(seq_ids, dtype=torch.int64), feats.float().cpu(), teacher_ids,
+                # clone: a view would keep (and save) the whole batch's hidden states
+                torch.tensor(seq_ids, dtype=torch.int64), feats.float().cpu().clone(), teacher_ids,
                 teacher_probs, len(seq.prompt_ids), seq.is_held_out))
     return out

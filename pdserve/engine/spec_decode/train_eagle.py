@@ -25,11 +25,14 @@ from pdserve.engine.spec_decode.eagle import EagleConfig, EagleDraftModel, iter_
 from pdserve.engine.spec_decode.eagle_acceptance import AcceptanceEstimate, estimate_acceptance
 from pdserve.engine.spec_decode.eagle_data import (
     DistillSequence,
+    PromptSpec,
     data_cache_key,
     generate_answers,
+    generate_self_written_prompts,
     load_prompt_specs,
     load_sequences,
     save_sequences,
+    self_written_specs,
 )
 from pdserve.engine.spec_decode.eagle_features import (
     TargetFeatures,
@@ -60,6 +63,9 @@ class TrainEagleConfig:
         hyper: optimization settings.
         init_from: an EAGLE-1 head folder to start from (continue training), or None for
             a random start.
+        self_written_prompts: additional chat prompts the target writes itself (Magpie,
+            see :func:`~.eagle_data.generate_self_written_prompts`); one in eight more is
+            written for the held-out estimate.
         draft_vocab_size: size of the frequency-ranked draft vocabulary (FR-Spec, Zhao et
             al. 2025): the most frequent ids of the training answers; None or the target's
             vocabulary size to draft over every id.
@@ -79,8 +85,12 @@ class TrainEagleConfig:
     hyper: TrainHyperParams = field(default_factory=TrainHyperParams)
     init_from: Path | None = None
     draft_vocab_size: int | None = None
+    self_written_prompts: int = 0
 
     def __post_init__(self) -> None:
+        if self.self_written_prompts < 0:
+            raise ValueError("self_written_prompts must be >= 0, got "
+                             f"{self.self_written_prompts}")
         if self.draft_vocab_size is not None and self.draft_vocab_size <= 0:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
         for name in ("num_prompts", "num_held_out", "max_answer_tokens"):
@@ -109,6 +119,9 @@ class TrainEagleResult:
     num_train_tokens: int
     num_held_out_sequences: int
     elapsed_s: float
+    draft_vocab_size: int | None = None
+    draft_vocab_coverage: float = 1.0
+    estimate_by_source: dict = field(default_factory=dict)
 
 
 def head_config_dict(target_hf: dict, provenance: dict,
@@ -220,16 +233,41 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
     from pdserve.engine.llm import LLM
     from pdserve.engine.loader.default_model import default_cache_dir
 
+    llm = None
+
+    def target_llm():
+        nonlocal llm
+        if llm is None:
+            llm = LLM(str(model_path), dtype="float32", device=cfg.device, load_progress=False,
+                      max_model_len=2048)
+        return llm
+
     specs = load_prompt_specs(cfg.data, cfg.num_prompts, cfg.num_held_out, cfg.hyper.seed)
     stem = default_cache_dir() / "eagle-data" / data_cache_key(
         model_path, specs, cfg.max_answer_tokens, "float32")
     cache = stem.with_suffix(".jsonl")
     if cache.is_file():
-        return load_sequences(cache), stem
-    llm = LLM(str(model_path), dtype="float32", device=cfg.device, load_progress=False,
-              max_model_len=2048)
-    sequences = generate_answers(llm, specs, cfg.max_answer_tokens, use_tqdm=use_tqdm)
-    save_sequences(cache, sequences)
+        sequences = load_sequences(cache)
+    else:
+        sequences = generate_answers(target_llm(), specs, cfg.max_answer_tokens,
+                                     use_tqdm=use_tqdm)
+        save_sequences(cache, sequences)
+    if cfg.self_written_prompts:
+        count, held = cfg.self_written_prompts, max(1, cfg.self_written_prompts // 8)
+        key = data_cache_key(model_path, [PromptSpec(f"self-written {count} {held} "
+                                                     f"{cfg.hyper.seed}", True, False)],
+                             cfg.max_answer_tokens, "float32")
+        sw_cache = stem.parent / f"{key}.self-written.jsonl"
+        if sw_cache.is_file():
+            written = load_sequences(sw_cache)
+        else:
+            texts = generate_self_written_prompts(target_llm(), count + held, cfg.hyper.seed,
+                                                  use_tqdm=use_tqdm)
+            written = generate_answers(target_llm(), self_written_specs(texts, held),
+                                       cfg.max_answer_tokens, use_tqdm=use_tqdm)
+            save_sequences(sw_cache, written)
+        sequences = sequences + written
+        stem = stem.with_name(f"{stem.name}-sw{key}")
     return sequences, stem
 
 
@@ -265,6 +303,19 @@ def write_readme(out: Path, result: TrainEagleResult, cfg: TrainEagleConfig,
     est, hist = result.estimate, result.history
     per_pos = ", ".join(f"{r:.3f}" for r in est.acceptance_rates)
     tail = hist.losses[-20:] or [float("nan")]
+    self_written = "" if not cfg.self_written_prompts else (
+        f"; plus {cfg.self_written_prompts} (+ {max(1, cfg.self_written_prompts // 8)} "
+        "held out) chat requests the target wrote itself from its bare user-turn prefix "
+        "(Magpie, Xu et al. 2024; temperature 1, top-p 0.95)")
+    vocab_line = ("every id in the teacher's top-8 on the training answers; the head drafts "
+                  "over the full vocabulary") if not result.draft_vocab_size else (
+        f"the head's draft vocabulary: the {result.draft_vocab_size} most frequent answer "
+        f"tokens, {result.draft_vocab_coverage:.1%} of the training answers' tokens (FR-Spec, "
+        "Zhao et al. 2025); it drafts only these ids, through their rows of the shared LM "
+        "head")
+    by_source = "".join(
+        f"- {name} prompts only: {e.mean_acceptance_length:.3f} over {e.num_starts} rounds.\n"
+        for name, e in result.estimate_by_source.items())
     text = f"""# EAGLE-1/2 draft head for {model_name}
 
 Trained by `pdserve train-eagle` (self-distillation, Li et al. 2024, "EAGLE: Speculative
@@ -277,8 +328,8 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
   "file cg22 excluded; every 10th file held out" if cfg.data == "builtin" else "user file"}).
 - Prompts: excerpts of up to 40 words as chat requests ("Continue this text:",
   "Summarize:", "Explain:", "Rewrite this in simpler words:", "What is this text about?")
-  or raw continuation; the target's own greedy answers (at most {cfg.max_answer_tokens}
-  tokens) generated with the pdserve engine in float32.
+  or raw continuation{self_written}; the target's own greedy answers (at most
+  {cfg.max_answer_tokens} tokens) generated with the pdserve engine in float32.
 - {result.num_train_sequences} training sequences ({result.num_train_tokens} tokens, prompt +
   answer); {result.num_held_out_sequences} held-out sequences from held-out files.
 
@@ -286,8 +337,7 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
 - Loss: SmoothL1(feature) + {cfg.hyper.cls_weight} x cross-entropy against the target's
   top-8 next-token distribution, answer positions only; uniform feature noise
   +-{cfg.hyper.feature_noise}; unrolled steps (training-time test) {cfg.hyper.unroll_steps};
-  softmax of the loss over {hist.loss_vocab_size or "all"} ids (every id in the teacher's top-8
-  on the training answers; the head drafts over the full vocabulary).
+  softmax of the loss over {hist.loss_vocab_size or "all"} ids ({vocab_line}).
 - AdamW lr {cfg.hyper.lr} (warmup, cosine to 10 %), {cfg.hyper.epochs} epochs at most
   (time budget: {cfg.hyper.max_train_minutes or "none"} min), about
   {cfg.hyper.batch_tokens} tokens per batch, grad clip {cfg.hyper.grad_clip},
@@ -301,7 +351,7 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
 - Mean acceptance length (accepted drafts + 1): **{est.mean_acceptance_length:.3f}**
   over {est.num_starts} draft rounds.
 - Per-position acceptance (draft j accepted given drafts before it were): {per_pos}.
-"""
+{by_source}"""
     (out / "README.md").write_text(text)
 
 
@@ -347,11 +397,21 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     paged.load_state_dict(head.state_dict())
     estimate = estimate_acceptance(paged.eval(), held_data, num_speculative_tokens=4)
     log(f"held-out: {estimate.summary()}")
+    by_source = {}
+    if cfg.self_written_prompts:  # the text's held-out prompts come first, then self-written
+        num_text = sum(1 for s in sequences[:len(sequences) - cfg.self_written_prompts
+                                            - max(1, cfg.self_written_prompts // 8)]
+                       if s.is_held_out)
+        for name, part in (("text", held_data[:num_text]), ("self-written", held_data[num_text:])):
+            if part:
+                by_source[name] = estimate_acceptance(paged, part, num_speculative_tokens=4)
+                log(f"held-out {name}: {by_source[name].summary()}")
 
     out = Path(cfg.out).expanduser()
     result = TrainEagleResult(
         out, history, estimate, len(train_seqs), sum(len(d.token_ids) for d in train_data),
-        len(held_seqs), time.perf_counter() - t0)
+        len(held_seqs), time.perf_counter() - t0,
+        None if draft_ids is None else len(draft_ids), coverage, by_source)
     provenance = {
         "trained_by": "pdserve train-eagle",
         "init_from": None if cfg.init_from is None else Path(cfg.init_from).name,
@@ -362,12 +422,15 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         "hyperparameters": asdict(cfg.hyper),
         "num_steps": history.num_steps,
         "loss_vocab_size": history.loss_vocab_size,
+        "self_written_prompts": cfg.self_written_prompts,
         "draft_vocab_size": None if draft_ids is None else len(draft_ids),
         "draft_vocab_answer_coverage": round(coverage, 4),
         "train_time_s": round(history.elapsed_s, 1),
         "final_loss": history.losses[-1],
         "heldout_mean_acceptance_length_k4": round(estimate.mean_acceptance_length, 4),
         "heldout_acceptance_rates_k4": [round(r, 4) for r in estimate.acceptance_rates],
+        "heldout_mean_acceptance_length_k4_by_source": {
+            k: round(v.mean_acceptance_length, 4) for k, v in by_source.items()},
     }
     save_head(head, out, provenance)
     write_readme(out, result, cfg, model_path.name)
