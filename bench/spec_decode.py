@@ -7,6 +7,11 @@ the ratio to no speculation measured in the same run, the mean acceptance length
 acceptance rate per draft position.
 
     python bench/spec_decode.py [--methods none,ngram,eagle,draft] [--batch-sizes 1,16]
+        [--eagle-model DIR] [--prompt-set questions|brown-heldout]
+
+``questions`` are the eight generic requests below (none comes from EAGLE training data);
+``brown-heldout`` are chat prompts built as ``train-eagle`` builds its held-out ones (from
+Brown-corpus files it never trains on).
 """
 
 from __future__ import annotations
@@ -38,14 +43,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--eagle-model", default="default",
+                   help="EAGLE head folder ('default': the shipped head)")
+    p.add_argument("--prompt-set", choices=("questions", "brown-heldout"), default="questions")
     return p.parse_args()
+
+
+def prompt_texts(prompt_set: str) -> list[str]:
+    """The user messages of the run (see the module docstring)."""
+    if prompt_set == "questions":
+        return QUESTIONS
+    from pdserve.engine.spec_decode.eagle_data import load_prompt_specs
+
+    return [s.text for s in load_prompt_specs("builtin", 1, 16, seed=1) if s.is_held_out]
 
 
 def run(method: str, batch_size: int, args, prompts_text: list[str]) -> dict:
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.loader.default_model import resolve_model
 
-    model = {"none": None, "ngram": None, "eagle": "default",
+    model = {"none": None, "ngram": None, "eagle": args.eagle_model,
              "draft": str(resolve_model(None))}[method]
     llm = LLM(None, dtype=args.dtype, load_progress=False, speculative_method=method,
               num_speculative_tokens=args.num_speculative_tokens, speculative_model=model)
@@ -76,7 +93,7 @@ def main() -> None:
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         base = None
         for method in methods:
-            r = run(method, bs, args, QUESTIONS)
+            r = run(method, bs, args, prompt_texts(args.prompt_set))
             if method == "none":
                 base = r["tok_s"]
             ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"

@@ -119,4 +119,21 @@ def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[Distil
                 # clone: a view would keep (and save) the whole batch's hidden states
                 torch.tensor(seq_ids, dtype=torch.int64), feats.float().cpu().clone(), teacher_ids,
                 teacher_probs, len(seq.prompt_ids), seq.is_held_out))
+        release_freed_memory()
     return out
+
+
+def release_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Each batch allocates ``[rows, vocab]`` fp32 logits of a different size; glibc keeps
+    the freed pieces, and over thousands of sequences the process grew by ~12 KB per
+    token (a 2,800-sequence run was killed at 15 GB) while the features kept are 2.3 KB
+    per token.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
