@@ -2,16 +2,23 @@
 
 A 2k-token SmolLM2-135M KV (30 layers x K/V x 128 blocks x 16 x 3 heads x 64, bf16 =
 47.2 MB) goes from a sender process to a receiver process (inproc: one process), as one
-message per request or as 30 per-layer messages, in bf16 or FP8:
+message per request or as 30 per-layer messages, in bf16 or FP8, in two ways:
 
-  kv   sender: encode_kv (FP8 quantize + checksum) + send_nowait, up to --window requests
-       in flight; receiver: recv into a staging buffer + decode (checksum) + FP8
-       dequantize to bf16 (not the scatter into a cache: its cost is listed below)
+  kv (end to end, modes "bf16", "fp8", ...)  sender: encode_kv (FP8 quantize + checksum)
+       + send_nowait, up to --window requests in flight; receiver: recv into a staging
+       buffer + decode (checksum) + FP8 dequantize to bf16 (not the scatter into a cache:
+       its cost is listed below)
+  kv transport-only (modes "... transport")  the same messages encoded once before the
+       clock starts; the receiver only receives into the staging buffer and releases it.
+       The gap between the two is the CPU codec (on a GPU the quantize/dequantize is a
+       fused kernel); the gap between transport-only and raw is the transport's own
+       overhead (framing, staging buffers).
   raw  the same transport moving the same number of bytes per message as plain buffers,
        with the same window: zmq: one PUSH frame (copy=False, tracked) -> PULL recv_into
        one of two reused buffers; ucx: one tagged send on the same kind of ucxx endpoint
        and progress loop -> a tagged receive posted one message ahead; inproc: the
-       same two copies, one request at a time.
+       same two copies, one request at a time. Measured once per wire size (a mode and
+       its transport-only twin move the same bytes).
 
 Throughput is measured at the receiver after warm-up messages, over --requests requests.
 GB/s counts wire bytes; "KV GB/s" counts the bf16 KV that arrived (for FP8 twice the
@@ -20,6 +27,7 @@ checksums, dequantize, scatter). Other processes on a 2-core machine skew the nu
 each figure is the best of --repeats runs.
 
     python bench/kv_transfer.py [--transports inproc,zmq,ucx] [--requests 8] [--repeats 3]
+                                [--modes 'bf16,bf16 transport,fp8,fp8 transport']
 """
 
 from __future__ import annotations
@@ -46,9 +54,15 @@ RAW_TAG = 0x5241_5700
 
 @dataclass(frozen=True)
 class Mode:
+    """What one timed run moves: bf16 or FP8, one message or one per layer, and whether the
+    codec runs inside the timing (``has_codec``: encode = FP8 quantize + checksum, decode =
+    checksum + FP8 dequantize) or the payload was encoded once beforehand and the receiver
+    only receives and releases (transport-only: framing, staging buffers, the wire)."""
+
     name: str
     use_fp8: bool
     per_layer: bool
+    has_codec: bool = True
 
     def layer_ranges(self) -> list[tuple[int, int]]:
         if self.per_layer:
@@ -61,8 +75,15 @@ class Mode:
         return n * per_block + n * NUM_KV_HEADS * 4 if self.use_fp8 else n * per_block * 2
 
 
-MODES = [Mode("bf16", False, False), Mode("fp8", True, False),
-         Mode("bf16 per-layer", False, True), Mode("fp8 per-layer", True, True)]
+MODES = [Mode("bf16", False, False), Mode("bf16 transport", False, False, has_codec=False),
+         Mode("fp8", True, False), Mode("fp8 transport", True, False, has_codec=False),
+         Mode("bf16 per-layer", False, True), Mode("fp8 per-layer", True, True),
+         Mode("fp8 per-layer transport", True, True, has_codec=False)]
+
+
+def raw_twin(mode: Mode) -> Mode:
+    """The mode whose raw run moves the same bytes (raw has no codec to leave out)."""
+    return Mode(mode.name.removesuffix(" transport"), mode.use_fp8, mode.per_layer)
 
 
 def make_kv() -> torch.Tensor:
@@ -88,6 +109,8 @@ def receive_kv(receiver, mode: Mode, num_requests: int, num_warmup: int = NUM_WA
         if i == num_warmup * num_messages:
             t0 = time.perf_counter()
         with receiver.recv(timeout_s=TIMEOUT_S) as msg:
+            if not mode.has_codec:
+                continue  # transport-only: the bytes are in the staging buffer
             kv = msg.decode()
             if kv.is_fp8:
                 h = kv.header
@@ -116,15 +139,27 @@ def receive_raw(post_recv, mode: Mode, num_requests: int) -> float:
     return time.perf_counter() - t0
 
 
-def send_kv(sender, kv: torch.Tensor, mode: Mode, num_requests: int, window: int) -> None:
-    """encode + send_nowait each message; at most ``window`` requests in flight."""
+def send_kv(sender, kv: torch.Tensor, mode: Mode, num_requests: int, window: int,
+            encoded_cache: dict | None = None) -> None:
+    """encode + send_nowait each message; at most ``window`` requests in flight.
+
+    Transport-only modes send messages encoded once (kept in ``encoded_cache`` across calls
+    when given, as the in-process run sends one request per call)."""
     from pdserve.kvtransfer.wire import encode_kv
 
+    def encode(start: int, end: int):
+        return encode_kv("req", kv[start:end], layer_start=start, num_tokens=NUM_TOKENS,
+                         use_fp8=mode.use_fp8)
+
+    # transport-only: encoded once here, before the receiver's clock starts (warm-up)
+    encoded_cache = {} if encoded_cache is None else encoded_cache
+    if not mode.has_codec and mode.name not in encoded_cache:
+        encoded_cache[mode.name] = [encode(*r) for r in mode.layer_ranges()]
+    pre_encoded = encoded_cache.get(mode.name) if not mode.has_codec else None
     in_flight: deque = deque()  # (handle, message): the message keeps its buffers alive
     for _ in range(num_requests):
-        for start, end in mode.layer_ranges():
-            msg = encode_kv("req", kv[start:end], layer_start=start, num_tokens=NUM_TOKENS,
-                            use_fp8=mode.use_fp8)
+        for i, (start, end) in enumerate(mode.layer_ranges()):
+            msg = encode(start, end) if pre_encoded is None else pre_encoded[i]
             handle = sender.send_nowait(msg.header, msg.buffers, timeout_s=TIMEOUT_S)
             in_flight.append((handle, msg))
             while len(in_flight) > window * len(mode.layer_ranges()):
@@ -265,8 +300,8 @@ def sender_main(name: str, kind: str, address: str, window: int, conn) -> None:
     transport.close()
 
 
-def run_two_processes(name: str, kind: str, num_requests: int, repeats: int,
-                      window: int) -> dict:
+def run_two_processes(name: str, kind: str, modes: list[Mode], num_requests: int,
+                      repeats: int, window: int) -> dict:
     ctx = multiprocessing.get_context("spawn")
     rx_conn, rx_child = ctx.Pipe()
     tx_conn, tx_child = ctx.Pipe()
@@ -277,7 +312,7 @@ def run_two_processes(name: str, kind: str, num_requests: int, repeats: int,
     tx.start()
     assert tx_conn.recv() == "connected"
     best = {}
-    for mode in MODES:
+    for mode in modes:
         for _ in range(repeats):
             rx_conn.send((mode, num_requests))
             tx_conn.send((mode, num_requests))
@@ -293,7 +328,7 @@ def run_two_processes(name: str, kind: str, num_requests: int, repeats: int,
     return best
 
 
-def run_inproc(kind: str, num_requests: int, repeats: int) -> dict:
+def run_inproc(kind: str, modes: list[Mode], num_requests: int, repeats: int) -> dict:
     from pdserve.kvtransfer.transport import KVReceiverConfig, create_transport
 
     transport = create_transport("inproc")
@@ -302,17 +337,18 @@ def run_inproc(kind: str, num_requests: int, repeats: int) -> dict:
     kv, out = make_kv(), torch.empty(KV_SHAPE, dtype=torch.bfloat16)
     src = np.ones(KV_BYTES, dtype=np.uint8)
     dst = np.zeros(KV_BYTES, dtype=np.uint8)
+    encoded_cache: dict = {}
 
     def one_request(mode: Mode) -> None:  # one request in flight at a time
         if kind == "kv":
-            send_kv(sender, kv, mode, 1, window=1)
+            send_kv(sender, kv, mode, 1, window=1, encoded_cache=encoded_cache)
             receive_kv(rx, mode, 1, num_warmup=0, out=out)
         else:
             for size in (mode.wire_bytes(*r) for r in mode.layer_ranges()):
                 dst[:size] = np.frombuffer(bytes(memoryview(src)[:size]), np.uint8)
 
     best = {}
-    for mode in MODES:
+    for mode in modes:
         one_request(mode)  # warm-up
         for _ in range(repeats):
             t = time.perf_counter()
@@ -374,13 +410,22 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--window", type=int, default=2, help="requests in flight per sender")
+    p.add_argument("--modes", default=",".join(m.name for m in MODES),
+                   help="comma-separated subset of: " + ", ".join(m.name for m in MODES))
     p.add_argument("--skip-steps", action="store_true")
     args = p.parse_args()
+    by_name = {m.name: m for m in MODES}
+    modes = [by_name[n.strip()] for n in args.modes.split(",")]
+    # raw moves the same bytes for a mode and its transport-only twin: measured once
+    raw_modes = list({raw_twin(m): None for m in modes})
     torch.set_num_threads(1)
     print(f"SmolLM2-135M KV for {NUM_TOKENS} tokens: {KV_BYTES / 1e6:.1f} MB bf16, "
           f"{Mode('fp8', True, False).wire_bytes(0, NUM_LAYERS) / 1e6:.1f} MB FP8 + scales; "
           f"{args.requests} requests, best of {args.repeats}")
-    print(f"{'transport':<8} {'mode':<15} {'raw GB/s':>9} {'kv GB/s':>8} {'ratio':>6} "
+    print("mode 'X': codec inside the timing (encode: FP8 quantize + checksum; decode: "
+          "checksum + FP8 dequantize);\nmode 'X transport': pre-encoded payload, received and "
+          "released only. raw: the same transport moving the same bytes buffer-to-buffer.")
+    print(f"{'transport':<8} {'mode':<24} {'raw GB/s':>9} {'kv GB/s':>8} {'ratio':>6} "
           f"{'KV GB/s':>8} {'ms/request':>10}")
     for name in args.transports.split(","):
         if name == "ucx":
@@ -391,17 +436,19 @@ def main() -> None:
                 print(f"ucx      skipped: {reason}")
                 continue
         if name == "inproc":
-            raw = run_inproc("raw", args.requests, args.repeats)
-            ours = run_inproc("kv", args.requests, args.repeats)
+            raw = run_inproc("raw", raw_modes, args.requests, args.repeats)
+            ours = run_inproc("kv", modes, args.requests, args.repeats)
         else:
-            raw = run_two_processes(name, "raw", args.requests, args.repeats, args.window)
-            ours = run_two_processes(name, "kv", args.requests, args.repeats, args.window)
-        for mode in MODES:
+            raw = run_two_processes(name, "raw", raw_modes, args.requests, args.repeats,
+                                    args.window)
+            ours = run_two_processes(name, "kv", modes, args.requests, args.repeats,
+                                     args.window)
+        for mode in modes:
             wire = sum(mode.wire_bytes(*r) for r in mode.layer_ranges()) * args.requests
-            raw_gbs = wire / raw[mode.name] / 1e9
+            raw_gbs = wire / raw[raw_twin(mode).name] / 1e9
             kv_gbs = wire / ours[mode.name] / 1e9
             eff_gbs = KV_BYTES * args.requests / ours[mode.name] / 1e9
-            print(f"{name:<8} {mode.name:<15} {raw_gbs:9.2f} {kv_gbs:8.2f} "
+            print(f"{name:<8} {mode.name:<24} {raw_gbs:9.2f} {kv_gbs:8.2f} "
                   f"{kv_gbs / raw_gbs:6.0%} {eff_gbs:8.2f} "
                   f"{ours[mode.name] / args.requests * 1e3:10.1f}")
     if not args.skip_steps:

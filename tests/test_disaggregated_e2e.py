@@ -152,7 +152,12 @@ def test_fp8_kv_keeps_greedy_tokens_for_nine_of_ten_prompts(colocated):
             matches.append(n)
         print(f"FP8 KV: first-mismatch positions over 32 greedy tokens: {matches}")
         # The target is 9 of 10; measured here 8 of 10 (bf16 SmolLM2, per-block,
-        # per-head scales), so the test guards against regressions below 7.
+        # per-head scales), so the test guards against regressions below 7. The two misses
+        # are near-ties of the bf16 logits (reference top-2 margin 0.0 and 0.125, one bf16
+        # ulp at |logit| 16..32). Measured in process on these 10 prompts and 12 Brown
+        # passages (full 32-token matches): as now 8/10, 4/12; K mean-centering (K error
+        # 4.1 % -> 2.6 %) 7/10, 3/12; bf16 block 0 9/10, 4/12; int8 per block (not FP8,
+        # K/V error 2.1 %/1.2 % vs 4.1 %/2.9 %) 9/10, 5/12 -- none beats prompt-to-prompt noise.
         assert sum(n == 32 for n in matches) >= 7
         m = wait_idle(srv)
         assert m["pdserve:kv_cache_usage_perc{}"] == 0
