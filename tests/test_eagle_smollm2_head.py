@@ -47,11 +47,32 @@ def test_shipped_head_loads_onto_the_default_model(target):
     assert (head.num_kv_heads, head.head_dim) == (target.cfg.num_kv_heads, target.cfg.head_dim)
 
 
+def test_shipped_head_drafts_over_a_frequency_ranked_vocabulary(target):
+    head = load_eagle_model(bundled_head_dir(DEFAULT_MODEL), target, TorchAttentionBackend(CPU),
+                            512, torch.float32)
+    ids = head.draft_token_ids()
+    assert head.has_draft_vocab and len(ids) == 8192 and len(ids.unique()) == 8192
+    eos = target.cfg.hf_config.get("eos_token_id")
+    assert eos in ids.tolist()  # answers end with EOS: it must be draftable
+
+
+#: Chat requests written for this test (not from the training data) and the acceptance
+#: length the shipped head must keep on them (measured 1.50 at k = 4, per position 0.32 0.35
+#: 0.40 0.41; the previous head 1.2; a random head ~1.0). The issue's target is 2.5: not met.
+FRESH_REQUESTS = (
+    "Explain why the sky is blue.", "Write a short story about a lighthouse keeper.",
+    "What are three good habits for a healthy sleep?", "How does a bicycle stay upright?",
+    "Give me a recipe for a simple vegetable soup.", "What is the difference between weather "
+    "and climate?", "Write a polite email asking for a meeting next week.",
+    "Why do cats purr?",
+)
+MIN_ACCEPTANCE_LENGTH = 1.35
+
+
 @pytest.mark.slow
 def test_shipped_head_drafts_the_default_models_greedy_answer(default_model_path, target):
-    """On fresh prompts, chained k=4 drafts agree with the target's greedy text: mean
-    acceptance length above 1.1 (a random head scores ~1.0: one in 49k tokens). The shipped
-    head is undertrained (see its README: 1.42 held out); the 2.5 target is not met yet."""
+    """On fresh chat requests, chained k=4 drafts agree with the target's greedy answers
+    (the issue's acceptance figure on held-out prompts, printed)."""
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.spec_decode.eagle_acceptance import estimate_acceptance
     from pdserve.engine.spec_decode.eagle_data import DistillSequence
@@ -59,17 +80,17 @@ def test_shipped_head_drafts_the_default_models_greedy_answer(default_model_path
 
     llm = LLM(str(default_model_path), dtype="float32", load_progress=False,
               max_model_len=512)
-    prompts = [llm.chat_prompt_ids([{"role": "user", "content": text}]) for text in (
-        "Explain why the sky is blue.", "Write a short story about a lighthouse keeper.")]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64),
+    prompts = [llm.chat_prompt_ids([{"role": "user", "content": text}])
+               for text in FRESH_REQUESTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=96),
                         detokenize=False)
     seqs = [DistillSequence(p, list(o.outputs[0].token_ids), True) for p, o in zip(prompts, outs)]
     data = compute_target_features(target, seqs, use_tqdm=False)
     head = load_eagle_model(bundled_head_dir(DEFAULT_MODEL), target, TorchAttentionBackend(CPU),
                             512, torch.float32)
     estimate = estimate_acceptance(head, data, num_speculative_tokens=4)
-    print(f"shipped head: {estimate}")
-    assert estimate.mean_acceptance_length > 1.1
+    print(f"shipped head on {len(FRESH_REQUESTS)} fresh requests: {estimate.summary()}")
+    assert estimate.mean_acceptance_length >= MIN_ACCEPTANCE_LENGTH
 
 
 def test_target_writes_its_own_chat_requests(default_model_path):
