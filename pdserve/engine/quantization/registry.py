@@ -124,8 +124,9 @@ def get_method(name: str, checkpoint: Checkpoint) -> QuantizationMethod:
     if name == "gguf" and not is_gguf:
         raise ValueError(f"--quantization gguf needs a .gguf model file, got {checkpoint.path}")
     if name != "gguf" and is_gguf and name not in ("none",):
-        raise ValueError(f"--quantization {name} on a GGUF file: use --quantization gguf "
-                         "(keeps its blocks packed) or load a safetensors folder")
+        raise ValueError(f"--quantization {name} on a GGUF file ({checkpoint.path.name}): use "
+                         "--quantization gguf (keeps its blocks packed) or load a safetensors "
+                         "folder (for the default model, `pdserve pull` converts it into one)")
     method = _REGISTRY[name](checkpoint.hf_config)
     if method.quantizes_dense and declared is not None:
         raise ValueError(f"the checkpoint is already quantized ({declared}); "
