@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLMEngine
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.layers.linear import Fp32GemmLinear
 from pdserve.engine.perplexity import perplexity
 from pdserve.engine.quantization.int_layouts import (
     pack_awq,
@@ -111,7 +112,8 @@ def test_skip_list_and_none_dequantize_to_dense_layers(tmp_path):
     _write_pair(src, "awq", 4, tmp_path / "q", tmp_path / "ref")
     skipped = _engine(tmp_path / "q", quantization_skip=("layers.0", "lm_head"))
     model = skipped.runner.model
-    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    # dense (a CPU engine runs dense layers as Fp32GemmLinear, see layers/linear.py)
+    assert isinstance(model.model.layers[0].mlp.down_proj, (torch.nn.Linear, Fp32GemmLinear))
     assert isinstance(model.model.layers[1].mlp.down_proj, IntLinear)
     dense = _engine(tmp_path / "q", quantization="none")
     assert not any(isinstance(m, IntLinear) for m in dense.runner.model.modules())

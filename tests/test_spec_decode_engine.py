@@ -177,3 +177,35 @@ def test_eagle_greedy_output_equals_plain_decoding(qwen3, eagle_head):
     assert _greedy(llm, prompts, params) == expected
     assert llm.engine.spec_stats.num_drafts > 0
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+
+def _check_draft_confidence(path, plain, method: str, model: str) -> None:
+    prompts = _prompts()
+    params = _mixed_params(plain)
+    expected = _greedy(LLM(str(path), dtype="float32", load_progress=False), prompts, params)
+    per_draft = {}
+    for threshold in (0.0, 0.01, 0.999):
+        llm = LLM(str(path), dtype="float32", load_progress=False, speculative_method=method,
+                  num_speculative_tokens=K, speculative_model=model,
+                  speculative_draft_confidence=threshold)
+        assert _greedy(llm, prompts, params) == expected
+        stats = llm.engine.spec_stats
+        per_draft[threshold] = stats.num_draft_tokens / stats.num_drafts
+        if method == "draft":  # draft == target: every proposed token is still accepted
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+    print(f"{method}: draft tokens per draft by threshold {per_draft}")
+    # the random-weight drafters are unsure (top probabilities ~0.01-0.1): 0.01 ends some
+    # chains, 0.999 ends every chain after its first token
+    assert per_draft[0.0] > per_draft[0.01] > per_draft[0.999] >= 1.0
+
+
+def test_draft_confidence_ends_chains_early_and_keeps_output(qwen3):
+    """``speculative_draft_confidence``: chains end once the drafter's chain probability
+    falls below the threshold, and the output stays plain decoding's."""
+    _check_draft_confidence(*qwen3, "draft", str(qwen3[0]))
+
+
+def test_eagle_draft_confidence_keeps_output(qwen3, eagle_head):
+    _check_draft_confidence(*qwen3, "eagle", str(eagle_head))

@@ -48,6 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-model", default=None,
                    help="draft model folder (method draft) or EAGLE head folder (method eagle; "
                         "\"default\" = the head shipped for the default model)")
+    s.add_argument("--speculative-draft-confidence", type=float, default=0.0,
+                   help="end a draft chain once the drafter's probability of the whole chain "
+                        "(product over its tokens) falls below this (model drafters; 0 = "
+                        "always draft k tokens)")
     add_quantization_args(g)
 
 
@@ -65,6 +69,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None) -> Engi
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,
+        speculative_draft_confidence=args.speculative_draft_confidence,
         quantization=args.quantization, quantization_skip=parse_skip_list(args.quantization_skip),
     )
 
@@ -85,7 +90,8 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
     if not args.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
     argv += ["--speculative-method", args.speculative_method,
-             "--num-speculative-tokens", str(args.num_speculative_tokens)]
+             "--num-speculative-tokens", str(args.num_speculative_tokens),
+             "--speculative-draft-confidence", str(args.speculative_draft_confidence)]
     if args.speculative_model:
         argv += ["--speculative-model", args.speculative_model]
     if args.enforce_eager:

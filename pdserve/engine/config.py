@@ -46,6 +46,14 @@ class EngineConfig:
     of :mod:`pdserve.engine.quantization`; ``quantization_skip`` lists layer name patterns
     kept in 16-bit (``("lm_head", "layers.0")``).
 
+    ``speculative_draft_confidence`` (model drafters only; 0 = off) ends a request's draft
+    chain early once the product of the drafter's probabilities of its drafted tokens falls
+    below it: EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with
+    Dynamic Draft Trees", sec. 4.1) shows that this product approximates the chance that
+    the target accepts the whole chain, so drafting further mostly costs draft steps and
+    verification rows. The token that fell below is still proposed. Output is unchanged
+    (verification alone decides what is emitted).
+
     Raises:
         ValueError: naming the field, for any invalid value.
     """
@@ -67,6 +75,7 @@ class EngineConfig:
     speculative_method: str = "none"
     num_speculative_tokens: int = 4
     speculative_model: str | None = None
+    speculative_draft_confidence: float = 0.0
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None
@@ -121,6 +130,10 @@ class EngineConfig:
                 1 <= self.num_speculative_tokens <= 16):
             raise ValueError("num_speculative_tokens must be an integer in [1, 16], "
                              f"got {self.num_speculative_tokens!r}")
+        if not (isinstance(self.speculative_draft_confidence, (int, float))
+                and 0.0 <= self.speculative_draft_confidence < 1.0):
+            raise ValueError("speculative_draft_confidence must be a number in [0, 1), "
+                             f"got {self.speculative_draft_confidence!r}")
         needs_model = self.speculative_method in ("draft", "eagle")
         if needs_model and not self.speculative_model:
             raise ValueError(f"speculative_model is required for speculative_method="

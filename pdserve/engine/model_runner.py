@@ -17,7 +17,7 @@ from pdserve.engine.config import (
     EngineConfig,
     ModelArchConfig,
 )
-from pdserve.engine.layers.linear import cpu_has_native_gemm, swap_to_fp32_gemm
+from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
 from pdserve.engine.models import get_model_class
 from pdserve.engine.outputs import TokenLogprob
@@ -94,8 +94,7 @@ def load_model(arch: ModelArchConfig, checkpoint: Checkpoint, dtype: torch.dtype
     model_cls = get_model_class(arch.architecture)
     with _default_dtype(dtype), device:
         model = model_cls(arch, backend, max_model_len)
-    use_fp32_gemm = (device.type == "cpu" and dtype != torch.float32
-                     and not cpu_has_native_gemm(dtype))
+    use_fp32_gemm = wants_fp32_gemm(device, dtype)
     load_model_weights(model, arch, checkpoint, quantization, quantization_skip, dtype,
                        torch.float32 if use_fp32_gemm else dtype, progress=progress)
     model.eval()

@@ -7,6 +7,18 @@ upcast operands and rounds the output back: the same arithmetic as a bf16 GEMM w
 accumulation (every bf16/fp16 value is exact in fp32), only the summation order differs.
 Activations, the residual stream and the KV cache stay in the model dtype. The swap is a
 load-time module replacement; model files are untouched.
+
+Row counts. A decode step multiplies each weight by few rows (batch size, or batch x (k+1)
+under speculative decoding), so a CPU GEMM is bound by streaming the weight from memory
+and should cost about the same for 1 or 5 rows. With torch 2.13's MKL on the AMD EPYC
+(AVX2) machines this project runs on, ``F.linear`` (``x @ W^T``, an NT GEMM) does not:
+through SmolLM2-135M's 30 layers plus its LM head it took 37 ms for 1 row and 66 ms for 5,
+and the cost jumps at some row counts (15 rows cost 2x 16). :func:`cpu_linear` computes
+``(W @ x^T)^T`` (an NN GEMM over the transposed view of ``x``, same weight layout) with the
+rows padded up to the next count in :data:`PADDED_ROWS` (zero rows, sliced off): 24 ms for
+1 row (padded to 2), 25 ms for 4, 32 ms for 5. Above :data:`MAX_PADDED_ROWS` rows (prefill)
+the GEMM is compute-bound and ``F.linear`` is faster again. ``bench/cpu_gemm.py`` measures
+the table on another CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +34,40 @@ NATIVE_CPU_FLAGS = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16"),
     torch.float16: ("avx512_fp16", "amx_fp16"),
 }
+
+
+#: Row counts :func:`cpu_linear` pads to (cheapest count >= the actual one, measured; see
+#: the module docstring and ``bench/cpu_gemm.py``).
+PADDED_ROWS = (2, 4, 5, 6, 8, 16, 24, 32, 48, 64, 80)
+#: Above this many rows :func:`cpu_linear` is ``F.linear``.
+MAX_PADDED_ROWS = PADDED_ROWS[-1]
+_PAD_TO = [0] + [next(p for p in PADDED_ROWS if p >= m) for m in range(1, MAX_PADDED_ROWS + 1)]
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` for a CPU decode step, as ``(weight @ x_padded^T)^T``.
+
+    Same value as ``F.linear`` up to the summation order (see the module docstring for why
+    the form and the padding). Zero rows appended for padding do not change the real rows.
+
+    Args:
+        x: ``[num_rows, in_features]``, the dtype of ``weight`` (other shapes go to
+            ``F.linear``).
+        weight: ``[out_features, in_features]``, contiguous.
+        bias: ``[out_features]`` or None.
+
+    Returns:
+        ``[num_rows, out_features]`` contiguous, in ``weight.dtype``.
+    """
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if not 0 < rows <= MAX_PADDED_ROWS:
+        return F.linear(x, weight, bias)
+    padded = _PAD_TO[rows]
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    y = torch.mm(weight, x.t())[:, :rows].t().contiguous()
+    return y if bias is None else y.add_(bias)
 
 
 def cpu_has_native_gemm(dtype: torch.dtype, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -61,7 +107,14 @@ class Fp32GemmLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [num_tokens, in_features] -> [num_tokens, out_features]`` in ``x.dtype``."""
-        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+        return cpu_linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+def wants_fp32_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model in ``dtype`` on ``device`` runs its dense layers as
+    :class:`Fp32GemmLinear`: on CPU, for fp32 models (for :func:`cpu_linear`'s row padding)
+    and for 16-bit models this CPU has no native GEMM for."""
+    return device.type == "cpu" and (dtype == torch.float32 or not cpu_has_native_gemm(dtype))
 
 
 def swap_to_fp32_gemm(model: nn.Module) -> int:

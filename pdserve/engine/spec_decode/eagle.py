@@ -70,6 +70,7 @@ from pdserve.engine.models.llama import (  # noqa: I001
     LlamaForCausalLM,
     LlamaMLP,
 )
+from pdserve.engine.layers.linear import cpu_linear
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import rope_from_hf_config
 
@@ -295,7 +296,8 @@ class EagleDraftModel(nn.Module):
             return self.target.compute_logits(draft_hidden)[:, self.draft_token_ids()], \
                 self.draft_token_ids()
         w = self._draft_lm_head
-        return F.linear(draft_hidden.to(w.dtype), w).float(), self.draft_token_ids()
+        gemm = cpu_linear if w.device.type == "cpu" else F.linear
+        return gemm(draft_hidden.to(w.dtype), w).float(), self.draft_token_ids()
 
     def compute_logits(self, draft_hidden: torch.Tensor) -> torch.Tensor:
         """``draft_hidden [N, H] -> logits [N, target_vocab]`` fp32 over target token ids.

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.layers.linear import cpu_has_native_gemm, swap_to_fp32_gemm
+from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.eagle import load_eagle_model
 from pdserve.engine.spec_decode.model_proposer import ModelProposer, _Draft
@@ -51,8 +51,7 @@ class EagleProposer(ModelProposer):
                  max_model_len: int) -> None:
         model = load_eagle_model(eagle_head_path(config.speculative_model), runner.model, runner.backend,
                                  max_model_len, runner.dtype)
-        if (runner.device.type == "cpu" and runner.dtype != torch.float32
-                and not cpu_has_native_gemm(runner.dtype)):
+        if wants_fp32_gemm(runner.device, runner.dtype):
             swap_to_fp32_gemm(model)  # as the target's layers (see layers/linear.py)
         super().__init__(config, runner, block_manager, max_model_len,
                          model.num_layers, model.num_kv_heads, model.head_dim)

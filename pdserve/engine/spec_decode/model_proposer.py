@@ -68,6 +68,7 @@ class ModelProposer:
     def __init__(self, config: EngineConfig, runner, block_manager: BlockManager,
                  max_model_len: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
+        self.draft_confidence = config.speculative_draft_confidence
         self.runner = runner
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -143,12 +144,13 @@ class ModelProposer:
             eos_token_id=None, vocab_size=self.runner.arch.vocab_size,
             device=self.runner.device)
         hidden = out[torch.tensor(drafting, dtype=torch.int64, device=self.runner.device)]
-        tokens, probs = self._sample(hidden, smeta)
+        tokens, probs, chain_conf = self._sample(hidden, smeta)
         all_tokens = [[t] for t in tokens]
         all_probs = [[q] if q is not None else [] for q in probs]
         active = list(range(len(drafting)))  # indexes into drafting; rows of `hidden`
         for step in range(1, max(plans[i].num_drafts for i in drafting)):
-            still = [j for j in active if plans[drafting[j]].num_drafts > step]
+            still = [j for j in active if plans[drafting[j]].num_drafts > step
+                     and (chain_conf is None or chain_conf[j] >= self.draft_confidence)]
             if not still:
                 break
             row_of = {j: row for row, j in enumerate(active)}
@@ -158,9 +160,11 @@ class ModelProposer:
             hidden = self._run_chain([plans[drafting[j]] for j in active],
                                      [all_tokens[j][-1] for j in active], step,
                                      self._chain_hidden(hidden[sel]))
-            new_tokens, new_probs = self._sample(hidden, _select_rows(smeta, active))
+            new_tokens, new_probs, conf = self._sample(hidden, _select_rows(smeta, active))
             for row, j in enumerate(active):
                 all_tokens[j].append(new_tokens[row])
+                if chain_conf is not None:
+                    chain_conf[j] *= conf[row]
                 if new_probs[row] is not None:
                     all_probs[j].append(new_probs[row])
         for p in plans:
@@ -227,12 +231,14 @@ class ModelProposer:
         return self._forward(torch.tensor(tokens, dtype=torch.int64, device=dev),
                              torch.tensor(positions, dtype=torch.int64, device=dev), hidden, meta)
 
-    def _sample(self, hidden: torch.Tensor,
-                smeta: SamplingMetadata) -> tuple[list[int], list[torch.Tensor | None]]:
+    def _sample(self, hidden: torch.Tensor, smeta: SamplingMetadata,
+                ) -> tuple[list[int], list[torch.Tensor | None], list[float] | None]:
         """Draft tokens from the drafter's ``[R, H]`` states: argmax for greedy requests, else
         a sample from the truncated ``softmax(logits / T)``. Also returns per row
         ``q = softmax(logits / T)`` (``[V]`` fp32 over target ids, before truncation, as
-        verification takes it) for sampling requests and None for greedy ones.
+        verification takes it) for sampling requests and None for greedy ones, and, when
+        ``draft_confidence`` is on, each drafted token's probability under the drafter
+        (``softmax(logits)`` for greedy rows, ``q`` for sampling rows; else None).
 
         A drafter with a draft vocabulary (``compute_draft_logits`` returning its target ids)
         is argmaxed over that vocabulary directly; sampling rows see ``-inf`` elsewhere."""
@@ -243,7 +249,10 @@ class ModelProposer:
             logits, ids = draft_logits(hidden)
         if smeta.all_greedy:
             best = logits.argmax(dim=-1)
-            return (best if ids is None else ids[best]).tolist(), [None] * logits.shape[0]
+            conf = None
+            if self.draft_confidence > 0:
+                conf = logits.softmax(dim=-1).gather(1, best.unsqueeze(1)).squeeze(1).tolist()
+            return (best if ids is None else ids[best]).tolist(), [None] * logits.shape[0], conf
         if ids is not None:
             full = logits.new_full((logits.shape[0], self.runner.arch.vocab_size), float("-inf"))
             full[:, ids] = logits
@@ -259,7 +268,13 @@ class ModelProposer:
             noise[row].exponential_(generator=gen)
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         tokens = torch.where(is_greedy, logits.argmax(dim=-1), truncated.div_(noise).argmax(-1))
-        return tokens.tolist(), [None if g else row for g, row in zip(is_greedy.tolist(), q)]
+        conf = None
+        if self.draft_confidence > 0:
+            probs = (torch.where(is_greedy.unsqueeze(1), logits.softmax(dim=-1), q)
+                     if bool(is_greedy.any()) else q)
+            conf = probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        return (tokens.tolist(), [None if g else row for g, row in zip(is_greedy.tolist(), q)],
+                conf)
 
 
 def _select_rows(smeta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:

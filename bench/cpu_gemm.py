@@ -1,0 +1,74 @@
+"""CPU GEMM form per row count: ``F.linear`` against ``cpu_linear``, same run, same weights.
+
+Times one decode step's dense GEMMs of SmolLM2-135M-Instruct's shapes (30 layers of
+q/k/v, o, gate/up and down projections plus the 49,152-row LM head; random fp32 weights,
+~530 MB, so every step streams them from memory as serving does) at several row counts
+(batch size, or batch x (k+1) under speculative decoding), and prints milliseconds per
+step and the ratio. ``--all-rows`` prints F.linear and the unpadded NN form for every row
+count 1..96, which is how ``PADDED_ROWS`` in ``pdserve/engine/layers/linear.py`` was chosen.
+
+    python bench/cpu_gemm.py [--rows 1,2,4,5,16,80] [--threads 2] [--all-rows]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.layers.linear import cpu_linear
+
+HIDDEN, INTERMEDIATE, Q, KV, LAYERS, VOCAB = 576, 1536, 576, 192, 30, 49152
+
+
+def step_fn(weights: list[torch.Tensor], rows: int, form: str):
+    xs = {n: torch.randn(rows, n) for n in (HIDDEN, INTERMEDIATE)}
+
+    def run() -> None:
+        for w in weights:
+            x = xs[w.shape[1]]
+            if form == "linear":
+                F.linear(x, w)
+            elif form == "nn":
+                torch.mm(w, x.t()).t().contiguous()
+            else:
+                cpu_linear(x, w)
+    return run
+
+
+def best_ms(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,3,4,5,8,12,16,20,32,64,80,128")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--all-rows", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    weights = []
+    for _ in range(LAYERS):
+        weights += [torch.randn(Q + 2 * KV, HIDDEN), torch.randn(HIDDEN, Q),
+                    torch.randn(2 * INTERMEDIATE, HIDDEN), torch.randn(HIDDEN, INTERMEDIATE)]
+    weights.append(torch.randn(VOCAB, HIDDEN))
+    forms = ("linear", "nn") if args.all_rows else ("linear", "cpu_linear")
+    rows_list = range(1, 97) if args.all_rows else [int(r) for r in args.rows.split(",")]
+    print(f"rows  {forms[0]:>9s} ms  {forms[1]:>11s} ms  ratio")
+    for rows in rows_list:
+        a, b = (best_ms(step_fn(weights, rows, f), args.reps) for f in forms)
+        print(f"{rows:4d}  {a:12.1f}  {b:14.1f}  {b / a:5.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""``cpu_linear`` (row-padded ``(W @ x^T)^T``) against ``F.linear``, and the layer using it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.layers.linear import (
+    MAX_PADDED_ROWS,
+    PADDED_ROWS,
+    Fp32GemmLinear,
+    cpu_linear,
+    wants_fp32_gemm,
+)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 15, 17, 33, 80, 81, 200])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if with_bias else None
+    x = torch.randn(rows, 64, generator=g)
+    y = cpu_linear(x, w, b)
+    assert y.shape == (rows, 96) and y.is_contiguous() and y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_leave_real_rows_alone():
+    # 7 rows pad to 8: the 7 real rows must be what 8 real rows give for those rows when
+    # the eighth is zero (the padded GEMM is that GEMM), and exactly so.
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(40, 32, generator=g), torch.randn(7, 32, generator=g)
+    padded = torch.cat([x, torch.zeros(1, 32)])
+    assert torch.equal(cpu_linear(x, w), torch.mm(w, padded.t()).t()[:7])
+
+
+def test_table_is_sorted_and_other_shapes_fall_back():
+    assert list(PADDED_ROWS) == sorted(set(PADDED_ROWS)) and MAX_PADDED_ROWS == PADDED_ROWS[-1]
+    w = torch.randn(8, 4)
+    x3 = torch.randn(2, 3, 4)
+    torch.testing.assert_close(cpu_linear(x3, w), F.linear(x3, w))
+
+
+def test_fp32_gemm_layer_bf16_and_fp32():
+    lin = nn.Linear(64, 48, bias=True)
+    layer = Fp32GemmLinear(lin)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), lin(x), rtol=1e-5, atol=1e-5)
+    # an fp32 model's layer shares the weight's storage (no second copy)
+    assert layer.weight.data_ptr() == lin.weight.data_ptr()
+    xb = x.bfloat16()
+    out = layer(xb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(xb.float(), lin.weight, lin.bias),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_wants_fp32_gemm():
+    cpu = torch.device("cpu")
+    assert wants_fp32_gemm(cpu, torch.float32)
+    assert not wants_fp32_gemm(torch.device("cuda"), torch.float32)
