@@ -8,6 +8,7 @@ acceptance rate per draft position.
 
     python bench/spec_decode.py [--methods none,ngram,eagle,draft] [--batch-sizes 1,16]
         [--eagle-model DIR] [--prompt-set questions|brown-heldout]
+        [--num-speculative-tokens K] [--draft-confidence C]
 
 ``questions`` are the eight generic requests below (none comes from EAGLE training data);
 ``brown-heldout`` are chat prompts built as ``train-eagle`` builds its held-out ones (from
@@ -40,7 +41,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--methods", default="none,ngram,eagle,draft")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="end answers at EOS (tok/s over the tokens really generated; the "
+                        "default ignores EOS so every method emits the same count)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="--speculative-draft-confidence for the model drafters")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--eagle-model", default="default",
@@ -65,10 +71,12 @@ def run(method: str, batch_size: int, args, prompts_text: list[str]) -> dict:
     model = {"none": None, "ngram": None, "eagle": args.eagle_model,
              "draft": str(resolve_model(None))}[method]
     llm = LLM(None, dtype=args.dtype, load_progress=False, speculative_method=method,
-              num_speculative_tokens=args.num_speculative_tokens, speculative_model=model)
+              num_speculative_tokens=args.num_speculative_tokens, speculative_model=model,
+              speculative_draft_confidence=args.draft_confidence if model else 0.0)
     prompts = [llm.chat_prompt_ids([{"role": "user", "content": q}])
                for q in (prompts_text * 4)[:batch_size]]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
+                            ignore_eos=not args.stop_at_eos)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), detokenize=False)  # warm-up
     llm.engine.spec_stats.__init__(args.num_speculative_tokens)
     t0 = time.perf_counter()

@@ -67,6 +67,29 @@ class TorchAttentionMetadata:
     prefills: list[PrefillSeq]
 
 
+#: Largest query length with cached context that runs as rows per KV head (see forward).
+_ROWS_MAX_QUERY = 64
+
+
+def _rows_per_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Masked GQA attention with the query heads of a KV head as rows of one attention.
+
+    ``q [n, H, D]``, ``k``/``v [Hkv, L, D]``, ``mask [n, L]`` bool -> ``[n, H, D]``. As for
+    decodes, no K/V repeat: measured on 2 cores, 3.5x faster than ``enable_gqa`` for 4 query
+    rows over 1,000 cached tokens (speculative verification), 1.3x slower for 256 rows (a
+    prefill chunk), hence :data:`_ROWS_MAX_QUERY`.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[0]
+    group = num_heads // num_kv_heads
+    rows = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    out = F.scaled_dot_product_attention(rows.reshape(num_kv_heads, group * n, head_dim), k, v,
+                                         attn_mask=mask.repeat(group, 1), scale=scale)
+    return out.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(
+        n, num_heads, head_dim)
+
+
 def _gather(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
             dtype: torch.dtype) -> torch.Tensor:
     """``[num_slots, num_kv_heads, head_dim]`` rows of ``cache`` at ``slots``, in ``dtype``.
@@ -185,6 +208,9 @@ class TorchAttentionBackend:
             else:
                 kp = _gather(k_cache, k_scales, p.context_slots, q.dtype).transpose(0, 1)
                 vp = _gather(v_cache, v_scales, p.context_slots, q.dtype).transpose(0, 1)
+                if p.query_len <= _ROWS_MAX_QUERY:
+                    out[sl] = _rows_per_kv_head(q[sl], kp, vp, p.mask, scale)
+                    continue
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True
                 )
