@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.llm_engine import KVCapacityError
@@ -75,3 +76,38 @@ def test_reservation_beyond_free_blocks_is_refused(tiny_model):
     with pytest.raises(KVCapacityError):
         engine.reserve_remote_prefill("b", make_prompts([250], seed=7)[0], GREEDY)
     assert "b" not in engine.requests
+
+
+def test_layer_streamed_kv_equals_the_whole_copy(tiny_model):
+    """``kv_layer_sink``: every layer of each exported prompt arrives once, in order, during
+    the step that completes the (chunked: 64-token budget) prefill, and equals the copy taken
+    after the step, bit for bit."""
+    _, path, _ = tiny_model
+    kw = dict(dtype="float32", load_progress=False, block_size=16, max_num_batched_tokens=64)
+    whole, streaming = LLM(str(path), **kw).engine, LLM(str(path), **kw).engine
+    prompts = make_prompts([40, 100, 211], seed=4)
+    received: dict[str, list] = {}
+    step_of_layer: dict[str, set[int]] = {}
+    steps = 0
+    streaming.kv_layer_sink = lambda rid, layer, kv, n: (
+        received.setdefault(rid, []).append((layer, kv, n)),
+        step_of_layer.setdefault(rid, set()).add(steps))
+    for engine in (whole, streaming):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, GREEDY, export_kv=True)
+    run_to_end(whole)
+    while streaming.has_unfinished_requests:
+        steps += 1
+        streaming.step()
+    num_layers = streaming.arch.num_layers
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        assert streaming.pop_exported_kv(rid) is None  # streamed instead
+        layers = received[rid]
+        assert [layer for layer, _, _ in layers] == list(range(num_layers))
+        assert all(n == len(p) for _, _, n in layers)
+        assert len(step_of_layer[rid]) == 1  # all in one step: the prefill's last chunk
+        expected = whole.pop_exported_kv(rid)
+        assert torch.equal(torch.cat([kv for _, kv, _ in layers]), expected)
+    assert steps > 3  # the 351 prompt tokens really took several chunked steps
+    assert streaming.num_free_blocks == streaming.block_manager.num_blocks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -66,6 +67,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         #: request id -> [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.exported_kv: dict[str, torch.Tensor] = {}
+        #: Prefill-worker mode, optional: ``(request_id, layer, kv, num_prompt_tokens)``
+        #: receives each layer of an ``export_kv`` request's prompt KV (``kv [1, 2,
+        #: num_blocks, block_size, num_kv_heads, head_dim]``, a copy) as soon as the step
+        #: that completes its prefill has written that layer, so sending overlaps the rest
+        #: of the forward. Such requests get no :attr:`exported_kv` entry.
+        self.kv_layer_sink: Callable[[str, int, torch.Tensor, int], None] | None = None
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         logger.info(
@@ -260,7 +267,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        out = self.runner.execute(sched)
+        streamed = self._stream_kv_layers(sched)
+        try:
+            out = self.runner.execute(sched)
+        finally:
+            if streamed:
+                self.runner.model.model.layer_done_hook = None
         num_accepted = dict(zip(out.request_ids, out.num_accepted_tokens))
         for s in sched.scheduled:
             req = s.request
@@ -290,7 +302,7 @@ class LLMEngine:
                     break
             self.num_generation_tokens += len(new_ids)
             if status is not None:
-                if req.export_kv:
+                if req.export_kv and request_id not in streamed:
                     self.exported_kv[request_id] = self._copy_prompt_kv(req)
                 self.scheduler.finish(req, status)
                 del self.requests[request_id]
@@ -310,6 +322,30 @@ class LLMEngine:
                                          if s.request.request_id not in finished])
         self.spec_stats.maybe_log()
         return deltas
+
+    def _stream_kv_layers(self, sched) -> set[str]:
+        """Hook :attr:`kv_layer_sink` into this step's forward for the ``export_kv``
+        requests whose prefill it completes; returns their ids (empty: no hook)."""
+        model = getattr(self.runner.model, "model", None)
+        if self.kv_layer_sink is None or not hasattr(model, "layer_done_hook"):
+            return set()
+        targets = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.export_kv and req.num_computed_tokens + s.num_new_tokens >= req.num_tokens:
+                num_blocks = self.block_manager.num_blocks_for(req.num_prompt_tokens)
+                targets.append((req.request_id, req.block_table[:num_blocks],
+                                req.num_prompt_tokens))
+        if not targets:
+            return set()
+        sink, runner = self.kv_layer_sink, self.runner
+
+        def hook(layer: int) -> None:
+            for request_id, block_ids, num_tokens in targets:
+                sink(request_id, layer, runner.read_kv_blocks(block_ids, layer), num_tokens)
+
+        model.layer_done_hook = hook
+        return {t[0] for t in targets}
 
     def _copy_prompt_kv(self, req: Request) -> torch.Tensor:
         """``[num_layers, 2, num_blocks, block_size, H, D]`` copy of the prompt's blocks."""

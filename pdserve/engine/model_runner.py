@@ -194,24 +194,29 @@ class ModelRunner:
             return caches
         return caches + (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
 
-    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy of some blocks, all layers, in the compute dtype (FP8 codes dequantized).
+    def read_kv_blocks(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:
+        """Copy of some blocks, all layers (or only ``layer``), in the compute dtype (FP8
+        codes dequantized).
 
         Returns:
-            ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]``.
+            ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]``
+            (``num_layers`` = 1 with ``layer``).
         """
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
         if self.kv_scales is None:
-            return self.kv_cache.index_select(2, ids)
-        codes, scales = self.read_fp8_kv_blocks(block_ids)
+            return self.kv_cache[layers].index_select(2, ids)
+        codes, scales = self.read_fp8_kv_blocks(block_ids, layer)
         return (codes.to(torch.float32) * scales[:, :, :, None, :, None]).to(self.dtype)
 
-    def read_fp8_kv_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_fp8_kv_blocks(self, block_ids: list[int], layer: int | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """An FP8 cache's blocks as they are, ready for the wire without re-quantizing.
 
         Returns:
             ``(codes, scales)``: ``[num_layers, 2, n, block_size, H, D]`` float8_e4m3fn and
-            ``[num_layers, 2, n, H]`` fp32 (the wire format's layout).
+            ``[num_layers, 2, n, H]`` fp32 (the wire format's layout); ``num_layers`` = 1
+            with ``layer``.
 
         Raises:
             ValueError: the cache is not FP8.
@@ -219,8 +224,10 @@ class ModelRunner:
         if self.kv_scales is None:
             raise ValueError("read_fp8_kv_blocks needs kv_cache_dtype='fp8'")
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        codes = self.kv_cache.view(torch.uint8).index_select(2, ids).view(self.kv_cache_dtype)
-        return codes, self.kv_scales.index_select(2, ids)
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
+        codes = self.kv_cache[layers].view(torch.uint8).index_select(2, ids).view(
+            self.kv_cache_dtype)
+        return codes, self.kv_scales[layers].index_select(2, ids)
 
     def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, num_tokens: int,
                         scales: torch.Tensor | None = None) -> None:

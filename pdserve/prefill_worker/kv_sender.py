@@ -1,5 +1,9 @@
-"""Sending side of pushed KV: a thread that encodes (FP8 or native) and pushes each finished
-prefill's blocks to its decode worker, over connections set up once per destination."""
+"""Sending side of pushed KV: a thread that encodes (FP8 or native) and pushes prefills'
+blocks to their decode workers, over connections set up once per destination.
+
+A job is a request's whole KV, or one layer range of it while the prefill's forward is still
+computing the later layers (:attr:`LLMEngine.kv_layer_sink`): a request is reported once, when
+its last layer has gone (or at its first failure; its later layers are then dropped)."""
 
 from __future__ import annotations
 
@@ -24,13 +28,24 @@ class KVJob:
     """One request's KV to push.
 
     Attributes:
-        kv: ``[num_layers, 2, num_blocks, block_size, H, D]`` copy of the prompt's blocks.
+        kv: ``[L, 2, num_blocks, block_size, H, D]`` copy of layers ``[layer_start,
+            layer_start + L)`` of the prompt's blocks.
+        layer_start: the first layer in ``kv``.
+        num_layers: the model's layer count (the request is done once its last layer went);
+            None: ``kv`` holds them all.
     """
 
     request_id: str
     kv: torch.Tensor
     num_tokens: int
     dest_address: str
+    layer_start: int = 0
+    num_layers: int | None = None
+
+    @property
+    def is_last(self) -> bool:
+        total = self.kv.shape[0] if self.num_layers is None else self.num_layers
+        return self.layer_start + self.kv.shape[0] >= total
 
 
 def layers_per_message(kv: torch.Tensor, use_fp8: bool) -> int:
@@ -57,6 +72,10 @@ class KVSenderThread:
         self.on_done = on_done
         self.jobs: queue.Queue[KVJob | None] = queue.Queue()
         self._senders: dict[str, KVSender] = {}
+        # request id -> (bytes sent so far, monotonic start) while its layers stream; failed
+        # requests whose remaining layers are dropped
+        self._streaming: dict[str, tuple[int, float]] = {}
+        self._failed: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -74,7 +93,8 @@ class KVSenderThread:
         num_bytes = 0
         step = layers_per_message(job.kv, self.use_fp8)
         for start in range(0, job.kv.shape[0], step):
-            enc = encode_kv(job.request_id, job.kv[start:start + step], layer_start=start,
+            enc = encode_kv(job.request_id, job.kv[start:start + step],
+                            layer_start=job.layer_start + start,
                             num_tokens=job.num_tokens, use_fp8=self.use_fp8)
             self._sender(job.dest_address).send(enc.header, enc.buffers,
                                                 timeout_s=self.timeout_s)
@@ -86,17 +106,27 @@ class KVSenderThread:
             job = self.jobs.get()
             if job is None:
                 return
-            start = time.monotonic()
+            rid = job.request_id
+            if rid in self._failed:  # an earlier layer failed: already reported
+                if job.is_last:
+                    self._failed.discard(rid)
+                continue
+            sent_before, start = self._streaming.pop(rid, (0, time.monotonic()))
             try:
-                num_bytes = self._push(job)
+                num_bytes = sent_before + self._push(job)
             except Exception as exc:
-                logger.warning("KV push of %s failed: %s", job.request_id, exc)
+                logger.warning("KV push of %s failed: %s", rid, exc)
                 sender = self._senders.pop(job.dest_address, None)
                 if sender is not None:  # a timed-out sender may still read our buffers
                     sender.close()
-                self.on_done(job.request_id, 0, time.monotonic() - start, str(exc) or "error")
+                if not job.is_last:
+                    self._failed.add(rid)
+                self.on_done(rid, 0, time.monotonic() - start, str(exc) or "error")
                 continue
-            self.on_done(job.request_id, num_bytes, time.monotonic() - start, None)
+            if job.is_last:
+                self.on_done(rid, num_bytes, time.monotonic() - start, None)
+            else:
+                self._streaming[rid] = (num_bytes, start)
 
     def close(self) -> None:
         self.jobs.put(None)

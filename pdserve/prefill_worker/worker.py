@@ -3,7 +3,10 @@ first token to the router at once (the TTFT clients see), then pushes its KV to 
 decode worker that reserved blocks for it.
 
 A request's blocks are copied out and freed as soon as its prefill finishes, so this worker
-holds cache memory only while computing; the copy is what the sender thread pushes.
+holds cache memory only while computing; the copy is what the sender thread pushes. KV goes
+layer by layer: in the step that completes a prompt, each layer's blocks are copied and
+queued for the sender as soon as the forward has written that layer, so the transfer of the
+first layers overlaps the compute of the last ones (``LLMEngine.kv_layer_sink``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ class PrefillWorker(EngineWorker):
         self.num_kv_bytes_sent = 0  # written by the sender thread only
         self.num_kv_transfers_sent = 0
         self.num_kv_transfers_failed = 0
+        self.engine.kv_layer_sink = self._on_kv_layer
+
+    def _on_kv_layer(self, request_id: str, layer: int, kv, num_tokens: int) -> None:
+        """Engine thread, inside a forward: queue one layer of a finishing prefill."""
+        entry = self.pending.get(request_id)
+        if entry is None or entry[0].sampling_params.max_tokens == 1:
+            return  # aborted, or the first token is all it wants (no decode worker waits)
+        self.sender.submit(KVJob(request_id, kv, num_tokens, entry[0].dest_kv_address,
+                                 layer_start=layer, num_layers=self.engine.arch.num_layers))
 
     def handle(self, msg) -> None:
         if isinstance(msg, PrefillRequest):

@@ -8,7 +8,7 @@ onto them.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -125,6 +125,9 @@ class LlamaModel(nn.Module):
             self.layer_cls(cfg, rotary, backend) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        #: Called with a layer's index once that layer of a forward has written its K/V
+        #: (set for a step by a prefill worker that streams KV layer by layer); None: off.
+        self.layer_done_hook: Callable[[int], None] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -143,8 +146,11 @@ class LlamaModel(nn.Module):
                                           aux_layer_ids)
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        hook = self.layer_done_hook
+        for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+            if hook is not None:
+                hook(idx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -160,6 +166,8 @@ class LlamaModel(nn.Module):
             if idx in aux_layer_ids:
                 captured[idx] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+            if self.layer_done_hook is not None:
+                self.layer_done_hook(idx)
         hidden, _ = self.norm(hidden, residual)
         missing = [i for i in aux_layer_ids if i not in captured]
         if missing:
