@@ -89,7 +89,7 @@ def test_layer_streamed_kv_equals_the_whole_copy(tiny_model):
     received: dict[str, list] = {}
     step_of_layer: dict[str, set[int]] = {}
     steps = 0
-    streaming.kv_layer_sink = lambda rid, layer, kv, n: (
+    streaming.kv_layer_sink = lambda rid, layer, kv, scales, n: (
         received.setdefault(rid, []).append((layer, kv, n)),
         step_of_layer.setdefault(rid, set()).add(steps))
     for engine in (whole, streaming):

@@ -175,3 +175,55 @@ def test_kv_cache_dtype_is_validated_and_reaches_workers():
     argv = engine_args_to_argv(args)  # what a launched worker process gets
     again = engine_config_from_args(parser.parse_args(argv), None)
     assert (again.kv_cache_dtype, again.enforce_eager) == ("fp8", True)
+
+
+@pytest.mark.slow
+def test_fp8_cache_blocks_stream_over_the_wire_as_stored(tiny_llama_checkpoint):
+    """FP8 cache -> FP8 cache through the real sender thread, wire format and inbox (inproc
+    transport), layer by layer: the decode worker's cache holds the prefill's codes and
+    scales bit for bit (nothing is re-quantized, even with --kv-transfer-dtype auto), and
+    decoding from them gives the colocated FP8 engine's tokens."""
+    import queue
+
+    from test_engine_remote_prefill import GREEDY, run_to_end
+
+    from pdserve.decode_worker.kv_inbox import KVInbox
+    from pdserve.prefill_worker.kv_sender import KVJob, KVSenderThread
+
+    path, _ = tiny_llama_checkpoint
+    kw = dict(dtype="float32", load_progress=False, block_size=16, max_num_batched_tokens=64,
+              kv_cache_dtype="fp8")
+    prefill, decode, colocated = (LLM(str(path), **kw).engine, LLM(str(path), **kw).engine,
+                                  LLM(str(path), **kw))
+    prompts = make_prompts([40, 90], seed=6)
+    expected = [o.outputs[0].token_ids
+                for o in colocated.generate(prompts, GREEDY, detokenize=False)]
+    num_layers = prefill.arch.num_layers
+    inbox = KVInbox("inproc", num_layers, decode.runner.dtype, keep_fp8=True)
+    done: queue.Queue = queue.Queue()
+    sender = KVSenderThread("inproc", False, 10.0, lambda *a: done.put(a))  # "auto"
+    sender.transport = inbox.transport  # inproc: one transport object holds the queues
+    prefill.kv_layer_sink = lambda rid, layer, kv, scales, n: sender.submit(KVJob(
+        rid, kv, n, inbox.address, layer_start=layer, num_layers=num_layers, scales=scales))
+    try:
+        for i, p in enumerate(prompts):
+            prefill.add_request(f"r{i}", p, GREEDY, export_kv=True)
+            decode.reserve_remote_prefill(f"r{i}", p, GREEDY)
+        first = run_to_end(prefill)
+        reports = sorted(done.get(timeout=10) for _ in prompts)
+        assert [r[0] for r in reports] == ["r0", "r1"], reports
+        assert all(r[3] is None for r in reports), reports
+        received = dict(inbox.ready.get(timeout=10) for _ in prompts)
+    finally:
+        sender.close()
+        inbox.close()
+    for i, p in enumerate(prompts):
+        kv, scales = received[f"r{i}"]
+        assert kv.dtype == torch.float8_e4m3fn and scales is not None
+        assert decode.complete_remote_prefill(f"r{i}", first[f"r{i}"][0], kv, scales)
+        n = decode.block_manager.num_blocks_for(len(p))
+        got = decode.runner.read_fp8_kv_blocks(decode.requests[f"r{i}"].block_table[:n])
+        assert torch.equal(got[0].view(torch.uint8), kv.view(torch.uint8))
+        assert torch.equal(got[1], scales)
+    rest = run_to_end(decode)
+    assert [first[f"r{i}"] + rest[f"r{i}"] for i in range(len(prompts))] == expected

@@ -35,18 +35,22 @@ class KVInbox:
         num_layers: layers of the model (a request is complete when all have arrived).
         cache_dtype: dtype the KV is dequantized to.
         stale_after_s: partial requests not touched this long are dropped.
+        keep_fp8: the engine's cache is FP8: FP8 messages are kept as codes and scales
+            (written into the cache as they are), not dequantized.
         address: where to listen; None: the transport's loopback default.
         advertise_host: host written into :attr:`address` in place of the bound one (for a
             receiver bound on ``0.0.0.0``); None: the bound address as it is.
 
-    ``ready`` yields ``(request_id, kv)`` with ``kv`` a
-    ``[num_layers, 2, num_blocks, block_size, H, D]`` tensor, or ``(request_id, reason)``
-    with ``reason`` "checksum" or "format" when a message was bad.
+    ``ready`` yields ``(request_id, (kv, scales))`` with ``kv`` a
+    ``[num_layers, 2, num_blocks, block_size, H, D]`` tensor in ``cache_dtype`` and
+    ``scales`` None, or (``keep_fp8``) float8_e4m3fn codes with ``[num_layers, 2,
+    num_blocks, H]`` fp32 ``scales``; or ``(request_id, reason)`` with ``reason``
+    "checksum" or "format" when a message was bad.
     """
 
     def __init__(self, transport_name: str, num_layers: int, cache_dtype: torch.dtype,
                  stale_after_s: float = 30.0, address: str | None = None,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, keep_fp8: bool = False) -> None:
         self.transport = create_transport(transport_name)
         self.receiver = self.transport.create_receiver(KVReceiverConfig(
             address=address, max_message_bytes=MAX_KV_MESSAGE_BYTES, num_buffers=2))
@@ -56,9 +60,12 @@ class KVInbox:
         self.num_layers = num_layers
         self.cache_dtype = cache_dtype
         self.stale_after_s = stale_after_s
-        self.ready: queue.Queue[tuple[str, torch.Tensor | str]] = queue.Queue()
+        self.keep_fp8 = keep_fp8
+        self.ready: queue.Queue[
+            tuple[str, tuple[torch.Tensor, torch.Tensor | None] | str]] = queue.Queue()
         self.num_bytes_received = 0
-        self._partial: dict[str, tuple[torch.Tensor, int, float]] = {}
+        # request id -> (kv, scales or None, layers received, last touched)
+        self._partial: dict[str, tuple[torch.Tensor, torch.Tensor | None, int, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-inbox", daemon=True)
         self._thread.start()
@@ -93,24 +100,36 @@ class KVInbox:
         h = decoded.header
         self.num_bytes_received += h.payload_bytes + h.scale_bytes
         entry = self._partial.get(rid)
+        as_codes = self.keep_fp8 and decoded.is_fp8
         if entry is None:
             shape = (self.num_layers, 2, h.num_blocks, h.block_size, h.num_kv_heads, h.head_dim)
-            entry = (torch.empty(shape, dtype=self.cache_dtype), 0, time.monotonic())
-        full, num_done, _ = entry
+            if as_codes:
+                entry = (torch.empty(shape, dtype=decoded.values.dtype),
+                         torch.empty(shape[:3] + shape[4:5], dtype=decoded.scales.dtype), 0,
+                         time.monotonic())
+            else:
+                entry = (torch.empty(shape, dtype=self.cache_dtype), None, 0, time.monotonic())
+        full, full_scales, num_done, _ = entry
         if full.shape[2:] != decoded.values.shape[2:] or h.layer_end > self.num_layers:
             raise KVFormatError(f"message shape {tuple(decoded.values.shape)} does not match "
                                 f"the request's {tuple(full.shape)}")
-        full[h.layer_start:h.layer_end] = decoded.to_dtype(self.cache_dtype)
+        if as_codes != (full_scales is not None):
+            raise KVFormatError("a request's KV messages mix FP8 and native dtypes")
+        if as_codes:
+            full[h.layer_start:h.layer_end] = decoded.values
+            full_scales[h.layer_start:h.layer_end] = decoded.scales
+        else:
+            full[h.layer_start:h.layer_end] = decoded.to_dtype(self.cache_dtype)
         num_done += h.layer_end - h.layer_start
         if num_done >= self.num_layers:
             self._partial.pop(rid, None)
-            self.ready.put((rid, full))
+            self.ready.put((rid, (full, full_scales)))
         else:
-            self._partial[rid] = (full, num_done, time.monotonic())
+            self._partial[rid] = (full, full_scales, num_done, time.monotonic())
 
     def _drop_stale(self) -> None:
         now = time.monotonic()
-        for rid, (_, _, touched) in list(self._partial.items()):
+        for rid, (_, _, _, touched) in list(self._partial.items()):
             if now - touched > self.stale_after_s:
                 del self._partial[rid]
 

@@ -45,7 +45,7 @@ class ParkedRequest:
     """A request waiting for its pushed KV and its first token."""
 
     reserved_s: float
-    kv: torch.Tensor | None = None
+    kv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (kv, FP8 scales or None)
     first_token_id: int | None = None
     first_token_s: float | None = None  # when the prefill finished: the transfer's start
     is_failure_reported: bool = False
@@ -75,7 +75,8 @@ class DecodeWorker(EngineWorker):
         self.inbox = None
         if kv_transport is not None:
             self.inbox = KVInbox(kv_transport, engine.arch.num_layers, engine.runner.dtype,
-                                 address=kv_address, advertise_host=kv_advertise_host)
+                                 address=kv_address, advertise_host=kv_advertise_host,
+                                 keep_fp8=engine.runner.kv_scales is not None)
         self.parked: dict[str, ParkedRequest] = {}
 
     def registration_extras(self) -> dict:
@@ -124,7 +125,7 @@ class DecodeWorker(EngineWorker):
             return
         del self.parked[rid]
         try:
-            self.engine.complete_remote_prefill(rid, parked.first_token_id, parked.kv)
+            self.engine.complete_remote_prefill(rid, parked.first_token_id, *parked.kv)
         except ValueError as exc:
             logger.warning("KV for %s does not fit: %s", rid, exc)
             self.parked[rid] = ParkedRequest(parked.reserved_s, None, parked.first_token_id,

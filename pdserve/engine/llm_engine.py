@@ -67,12 +67,16 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         #: request id -> [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.exported_kv: dict[str, torch.Tensor] = {}
-        #: Prefill-worker mode, optional: ``(request_id, layer, kv, num_prompt_tokens)``
-        #: receives each layer of an ``export_kv`` request's prompt KV (``kv [1, 2,
-        #: num_blocks, block_size, num_kv_heads, head_dim]``, a copy) as soon as the step
-        #: that completes its prefill has written that layer, so sending overlaps the rest
-        #: of the forward. Such requests get no :attr:`exported_kv` entry.
-        self.kv_layer_sink: Callable[[str, int, torch.Tensor, int], None] | None = None
+        #: Prefill-worker mode, optional: ``(request_id, layer, kv, scales,
+        #: num_prompt_tokens)`` receives each layer of an ``export_kv`` request's prompt KV
+        #: as soon as the step that completes its prefill has written that layer, so sending
+        #: overlaps the rest of the forward. ``kv [1, 2, num_blocks, block_size,
+        #: num_kv_heads, head_dim]`` is a copy in the compute dtype with ``scales`` None, or,
+        #: from an FP8 cache, its float8_e4m3fn codes as stored with ``scales [1, 2,
+        #: num_blocks, num_kv_heads]`` fp32 (the wire format's; nothing is re-quantized).
+        #: Such requests get no :attr:`exported_kv` entry.
+        self.kv_layer_sink: Callable[
+            [str, int, torch.Tensor, torch.Tensor | None, int], None] | None = None
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         logger.info(
@@ -175,14 +179,16 @@ class LLMEngine:
         return request.num_cached_tokens
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                kv: torch.Tensor) -> bool:
+                                kv: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
         """Write a parked request's received KV into its blocks and start decoding it.
 
         Args:
             first_token_id: the token the prefill worker sampled (already streamed).
             kv: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
-                compute dtype, the prompt's blocks in order (an FP8 cache quantizes them) (blocks this worker had cached are
-                skipped, not overwritten).
+                compute dtype, the prompt's blocks in order (an FP8 cache quantizes them;
+                blocks this worker had cached are skipped, not overwritten); or, for an FP8
+                cache, float8_e4m3fn codes stored as they are with their ``scales
+                [num_layers, 2, num_blocks, num_kv_heads]`` fp32.
 
         Returns:
             False if the request is unknown or no longer waiting (aborted meanwhile).
@@ -201,8 +207,10 @@ class LLMEngine:
             raise ValueError(f"received KV has shape {tuple(kv.shape)}, expected {expected}")
         first = req.num_cached_tokens // bs
         if first < num_blocks:
-            self.runner.write_kv_blocks(req.block_table[first:num_blocks], kv[:, :, first:],
-                                        num_tokens=req.num_prompt_tokens - first * bs)
+            self.runner.write_kv_blocks(
+                req.block_table[first:num_blocks], kv[:, :, first:],
+                num_tokens=req.num_prompt_tokens - first * bs,
+                scales=None if scales is None else scales[:, :, first:])
         req.num_computed_tokens = req.num_prompt_tokens
         self.block_manager.cache_computed_blocks(req)
         req.append_output_token(first_token_id)
@@ -342,7 +350,11 @@ class LLMEngine:
 
         def hook(layer: int) -> None:
             for request_id, block_ids, num_tokens in targets:
-                sink(request_id, layer, runner.read_kv_blocks(block_ids, layer), num_tokens)
+                if runner.kv_scales is None:
+                    kv, scales = runner.read_kv_blocks(block_ids, layer), None
+                else:
+                    kv, scales = runner.read_fp8_kv_blocks(block_ids, layer)
+                sink(request_id, layer, kv, scales, num_tokens)
 
         model.layer_done_hook = hook
         return {t[0] for t in targets}

@@ -33,6 +33,8 @@ class KVJob:
         layer_start: the first layer in ``kv``.
         num_layers: the model's layer count (the request is done once its last layer went);
             None: ``kv`` holds them all.
+        scales: with float8_e4m3fn ``kv`` (an FP8 cache's blocks), their ``[L, 2,
+            num_blocks, H]`` fp32 scales: sent as they are, whatever the transfer dtype.
     """
 
     request_id: str
@@ -41,6 +43,7 @@ class KVJob:
     dest_address: str
     layer_start: int = 0
     num_layers: int | None = None
+    scales: torch.Tensor | None = None
 
     @property
     def is_last(self) -> bool:
@@ -91,11 +94,13 @@ class KVSenderThread:
 
     def _push(self, job: KVJob) -> int:
         num_bytes = 0
-        step = layers_per_message(job.kv, self.use_fp8)
+        use_fp8 = self.use_fp8 or job.scales is not None
+        step = layers_per_message(job.kv, use_fp8)
         for start in range(0, job.kv.shape[0], step):
             enc = encode_kv(job.request_id, job.kv[start:start + step],
-                            layer_start=job.layer_start + start,
-                            num_tokens=job.num_tokens, use_fp8=self.use_fp8)
+                            layer_start=job.layer_start + start, num_tokens=job.num_tokens,
+                            use_fp8=use_fp8,
+                            scales=None if job.scales is None else job.scales[start:start + step])
             self._sender(job.dest_address).send(enc.header, enc.buffers,
                                                 timeout_s=self.timeout_s)
             num_bytes += enc.header.payload_bytes + enc.header.scale_bytes

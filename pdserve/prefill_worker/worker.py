@@ -52,13 +52,15 @@ class PrefillWorker(EngineWorker):
         self.num_kv_transfers_failed = 0
         self.engine.kv_layer_sink = self._on_kv_layer
 
-    def _on_kv_layer(self, request_id: str, layer: int, kv, num_tokens: int) -> None:
-        """Engine thread, inside a forward: queue one layer of a finishing prefill."""
+    def _on_kv_layer(self, request_id: str, layer: int, kv, scales, num_tokens: int) -> None:
+        """Engine thread, inside a forward: queue one layer of a finishing prefill (an FP8
+        cache's codes go with their scales, as stored)."""
         entry = self.pending.get(request_id)
         if entry is None or entry[0].sampling_params.max_tokens == 1:
             return  # aborted, or the first token is all it wants (no decode worker waits)
         self.sender.submit(KVJob(request_id, kv, num_tokens, entry[0].dest_kv_address,
-                                 layer_start=layer, num_layers=self.engine.arch.num_layers))
+                                 layer_start=layer, num_layers=self.engine.arch.num_layers,
+                                 scales=scales))
 
     def handle(self, msg) -> None:
         if isinstance(msg, PrefillRequest):
