@@ -8,6 +8,11 @@ message per request or as 30 per-layer messages, in bf16 or FP8, in two ways:
        + send_nowait, up to --window requests in flight; receiver: recv into a staging
        buffer + decode (checksum) + FP8 dequantize to bf16 (not the scatter into a cache:
        its cost is listed below)
+  kv from an FP8 cache (mode "fp8 cache per-layer")  what prefill and decode workers
+       with --kv-cache-dtype fp8 do: the codes and scales as stored (quantized once before
+       the clock, as the attention kernel's KV store does) go out per layer with their
+       checksum; the receiver verifies it and copies codes and scales into the request's
+       tensors (no quantize, no dequantize)
   kv transport-only (modes "... transport")  the same messages encoded once before the
        clock starts; the receiver only receives into the staging buffer and releases it.
        The gap between the two is the CPU codec (on a GPU the quantize/dequantize is a
@@ -63,6 +68,7 @@ class Mode:
     use_fp8: bool
     per_layer: bool
     has_codec: bool = True
+    stored_fp8: bool = False  # FP8 cache -> FP8 cache: checksums and copies, no codec
 
     def layer_ranges(self) -> list[tuple[int, int]]:
         if self.per_layer:
@@ -78,12 +84,14 @@ class Mode:
 MODES = [Mode("bf16", False, False), Mode("bf16 transport", False, False, has_codec=False),
          Mode("fp8", True, False), Mode("fp8 transport", True, False, has_codec=False),
          Mode("bf16 per-layer", False, True), Mode("fp8 per-layer", True, True),
-         Mode("fp8 per-layer transport", True, True, has_codec=False)]
+         Mode("fp8 per-layer transport", True, True, has_codec=False),
+         Mode("fp8 cache per-layer", True, True, stored_fp8=True)]
 
 
 def raw_twin(mode: Mode) -> Mode:
     """The mode whose raw run moves the same bytes (raw has no codec to leave out)."""
-    return Mode(mode.name.removesuffix(" transport"), mode.use_fp8, mode.per_layer)
+    return Mode(mode.name.removesuffix(" transport").replace(" cache", ""), mode.use_fp8,
+                mode.per_layer)
 
 
 def make_kv() -> torch.Tensor:
@@ -103,6 +111,8 @@ def receive_kv(receiver, mode: Mode, num_requests: int, num_warmup: int = NUM_WA
     from pdserve.kvtransfer.fp8 import dequantize_blocks
 
     out = torch.empty(KV_SHAPE, dtype=torch.bfloat16) if out is None else out
+    codes = torch.empty(KV_SHAPE, dtype=torch.float8_e4m3fn) if mode.stored_fp8 else None
+    scales = torch.empty(KV_SHAPE[:3] + KV_SHAPE[4:5]) if mode.stored_fp8 else None
     num_messages = len(mode.layer_ranges())
     t0 = time.perf_counter()
     for i in range((num_warmup + num_requests) * num_messages):
@@ -112,7 +122,11 @@ def receive_kv(receiver, mode: Mode, num_requests: int, num_warmup: int = NUM_WA
             if not mode.has_codec:
                 continue  # transport-only: the bytes are in the staging buffer
             kv = msg.decode()
-            if kv.is_fp8:
+            if mode.stored_fp8:
+                h = kv.header
+                codes[h.layer_start:h.layer_end] = kv.values
+                scales[h.layer_start:h.layer_end] = kv.scales
+            elif kv.is_fp8:
                 h = kv.header
                 dequantize_blocks(kv.values, kv.scales, torch.bfloat16,
                                   out=out[h.layer_start:h.layer_end])
@@ -147,12 +161,23 @@ def send_kv(sender, kv: torch.Tensor, mode: Mode, num_requests: int, window: int
     when given, as the in-process run sends one request per call)."""
     from pdserve.kvtransfer.wire import encode_kv
 
+    encoded_cache = {} if encoded_cache is None else encoded_cache
+    stored = None
+    if mode.stored_fp8:  # the FP8 cache's contents, quantized when the KV was stored
+        from pdserve.kvtransfer.fp8 import quantize_blocks
+
+        if "stored fp8" not in encoded_cache:
+            encoded_cache["stored fp8"] = quantize_blocks(kv)
+        stored = encoded_cache["stored fp8"]
+
     def encode(start: int, end: int):
+        if stored is not None:
+            return encode_kv("req", stored[0][start:end], layer_start=start,
+                             num_tokens=NUM_TOKENS, use_fp8=True, scales=stored[1][start:end])
         return encode_kv("req", kv[start:end], layer_start=start, num_tokens=NUM_TOKENS,
                          use_fp8=mode.use_fp8)
 
     # transport-only: encoded once here, before the receiver's clock starts (warm-up)
-    encoded_cache = {} if encoded_cache is None else encoded_cache
     if not mode.has_codec and mode.name not in encoded_cache:
         encoded_cache[mode.name] = [encode(*r) for r in mode.layer_ranges()]
     pre_encoded = encoded_cache.get(mode.name) if not mode.has_codec else None
