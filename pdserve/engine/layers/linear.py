@@ -88,17 +88,19 @@ def cpu_has_native_gemm(dtype: torch.dtype, cpuinfo: Path = Path("/proc/cpuinfo"
     return True
 
 
-class Fp32GemmLinear(nn.Module):
+class Fp32GemmLinear(nn.Linear):
     """``y = x @ W^T + b`` computed in fp32, output in the input dtype.
 
-    Holds the weight in fp32 (prepacked once at load), so weight memory is that of fp32.
+    Holds the weight in fp32 (prepacked once at load), so weight memory is that of fp32. A
+    subclass of ``nn.Linear`` (same ``weight``/``bias``/feature attributes), so code that
+    works on dense linear layers (AWQ search, checkpoint writing) takes it as one.
 
     Args:
         linear: the loaded layer to replace; its weight/bias are copied to fp32.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a fresh weight
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
@@ -119,7 +121,8 @@ def wants_fp32_gemm(device: torch.device, dtype: torch.dtype) -> bool:
 
 def swap_to_fp32_gemm(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by :class:`Fp32GemmLinear`; returns the count."""
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and not isinstance(mod, Fp32GemmLinear)]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
