@@ -52,10 +52,43 @@ def _exit_on_sigterm(signum: int, frame) -> None:  # noqa: ARG001
 
 def spawn_worker(kind: str, model: str | None, router_address: str,
                  engine_argv: list[str], worker_id: str) -> subprocess.Popen:
-    """Start ``pdserve <kind>`` as a child process that dies with us."""
-    cmd = [sys.executable, "-m", "pdserve.cli", kind, *( [model] if model else []),
-           "--router", router_address, "--worker-id", worker_id, *engine_argv]
+    """Start ``pdserve <kind>`` as a child process that dies with us, logging at this
+    process's level (``pdserve --log-level``)."""
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", level, kind,
+           *([model] if model else []), "--router", router_address, "--worker-id", worker_id,
+           *engine_argv]
     return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+
+
+def _worker_id(proc: subprocess.Popen) -> str:
+    args = list(proc.args)
+    return args[args.index("--worker-id") + 1] if "--worker-id" in args else str(proc.pid)
+
+
+def _exit_description(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+async def _watch_workers(workers: list[subprocess.Popen], period_s: float = 1.0) -> None:
+    """Reap workers that exit while serving and say so once each (the router drops them
+    after their missed heartbeats; ``serve`` goes on with the others and does not restart
+    them)."""
+    reported: set[int] = set()
+    while True:
+        await asyncio.sleep(period_s)
+        for w in workers:
+            if w.pid not in reported and w.poll() is not None:
+                reported.add(w.pid)
+                alive = sum(x.poll() is None for x in workers)
+                print(f"pdserve: worker {_worker_id(w)} (pid {w.pid}) "
+                      f"{_exit_description(w.returncode)}; serving on with {alive} of "
+                      f"{len(workers)} workers", file=sys.stderr, flush=True)
 
 
 def stop_processes(procs: list[subprocess.Popen]) -> None:
@@ -121,7 +154,12 @@ async def _serve_http(state, host: str, port: int, workers: list[subprocess.Pope
                 await task
                 return 1
     print(f"pdserve: serving {state.model_name} at http://{host}:{port}/v1", flush=True)
-    await task
+    watcher = asyncio.create_task(_watch_workers(workers)) if workers else None
+    try:
+        await task
+    finally:
+        if watcher is not None:
+            watcher.cancel()
     return 0
 
 
@@ -187,7 +225,8 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     role = "decode" if args.command == "decode-worker" else "prefill"
     config = engine_config_from_args(args, args.model)
     if role == "prefill":  # it samples one token per request: nothing to speculate on
-        config = dataclasses.replace(config, speculative_method="none", speculative_model=None)
+        config = dataclasses.replace(config, speculative_method="none", speculative_model=None,
+                                     speculative_draft_confidence=0.0)
     engine = LLMEngine(config)
     name = args.served_model_name or served_model_name(args.model, engine.model_path)
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

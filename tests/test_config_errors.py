@@ -43,3 +43,29 @@ def test_kv_budget_too_small_for_one_sequence_is_rejected(tiny_model):
     _, path, _ = tiny_model
     with pytest.raises(ValueError, match="num_kv_blocks"):
         LLM(str(path), num_kv_blocks=2, block_size=16, max_model_len=512, load_progress=False)
+
+
+def test_draft_confidence_without_a_model_drafter_is_rejected():
+    with pytest.raises(ValueError, match="speculative_draft_confidence applies to the model "
+                                         "drafters"):
+        EngineConfig(speculative_method="ngram", speculative_draft_confidence=0.5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-method", "ngram", "--speculative-draft-confidence", "0.5"],
+     "--speculative-draft-confidence applies to the model drafters (eagle, draft), not "
+     "--speculative-method='ngram'"),
+    (["--speculative-draft-confidence", "1.5"],
+     "--speculative-draft-confidence must be a number in [0, 1), got 1.5"),
+    (["--speculative-method", "eagle"],
+     "--speculative-model is required for --speculative-method='eagle'"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be positive, got 0"),
+])
+def test_cli_names_the_flag_in_one_line(argv, message, capsys):
+    """``pdserve decode-worker`` checks the engine config before loading anything; its
+    error names the flag the user wrote, not the config field."""
+    from pdserve.cli import main
+
+    assert main(["decode-worker", "--router", "tcp://127.0.0.1:1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"pdserve: error: {message}\n"

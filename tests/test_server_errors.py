@@ -9,7 +9,11 @@ of a section run in file order.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -19,6 +23,7 @@ import pytest
 from pdserve.engine.loader.default_model import find_default_gguf
 from server_utils import (
     ServerProcess,
+    child_pids,
     free_port,
     pid_alive,
     start_cli,
@@ -345,3 +350,31 @@ def test_server_and_worker_exit_cleanly_on_sigterm(bare_server, late_worker):
     # Last test of this section: it stops both processes.
     assert stop_process(late_worker, timeout_s=15) == 0
     assert stop_process(bare_server.proc, timeout_s=15) == 0
+
+
+# ---- a worker dies under serve ------------------------------------------------------------
+
+def test_serve_passes_its_log_level_and_reports_a_dead_worker(tmp_path):
+    """``pdserve --log-level INFO serve``: the workers log at INFO too (their engine says it
+    is ready), and a worker killed while serving is reaped and reported on stderr."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve", "--colocated",
+             "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks",
+             "256"], stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert wait_health(f"http://127.0.0.1:{port}", 200, proc, timeout_s=240)
+        assert "INFO pdserve.engine.llm_engine: engine ready" in log.read_text()
+        [worker] = child_pids(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while "was killed by SIGKILL" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        text = log.read_text()
+        assert f"(pid {worker}) was killed by SIGKILL; serving on with 0 of 1 workers" in text
+        assert worker not in child_pids(proc.pid)  # reaped, not left <defunct>
+        assert proc.poll() is None  # serve itself goes on (503 until a worker registers)
+    finally:
+        stop_process(proc)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 
 from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig
 from pdserve.engine.quantization.cli_args import (
@@ -56,7 +58,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
-    """Build the validated config (raises ValueError naming a bad field)."""
+    """Build the validated config.
+
+    Raises:
+        ValueError: naming the bad setting by its flag (``--num-kv-blocks``), as the user
+            wrote it.
+    """
+    try:
+        return _engine_config_from_args(args, model)
+    except ValueError as exc:
+        raise ValueError(flag_names(str(exc))) from None
+
+
+def flag_names(message: str) -> str:
+    """``EngineConfig`` field names in ``message`` written as their CLI flags: the first
+    word when it is a field, and any other multi-word field name (``max_model_len``)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    first, sep, rest = message.partition(" ")
+    if first in fields:
+        first = "--" + first.replace("_", "-")
+    rest = re.sub(r"\b[a-z]+(?:_[a-z]+)+\b",
+                  lambda m: "--" + m.group(0).replace("_", "-") if m.group(0) in fields
+                  else m.group(0), rest)
+    return first + sep + rest
+
+
+def _engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
     return EngineConfig(
         model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,

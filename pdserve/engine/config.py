@@ -135,6 +135,10 @@ class EngineConfig:
             raise ValueError("speculative_draft_confidence must be a number in [0, 1), "
                              f"got {self.speculative_draft_confidence!r}")
         needs_model = self.speculative_method in ("draft", "eagle")
+        if self.speculative_draft_confidence > 0 and not needs_model:
+            raise ValueError("speculative_draft_confidence applies to the model drafters "
+                             f"(eagle, draft), not speculative_method="
+                             f"{self.speculative_method!r}")
         if needs_model and not self.speculative_model:
             raise ValueError(f"speculative_model is required for speculative_method="
                              f"{self.speculative_method!r}")

@@ -441,11 +441,16 @@ class Router:
 
     # -- socket --------------------------------------------------------------------------
     def _send(self, worker_id: str, msg) -> None:
+        """Queue ``msg`` for a worker without waiting. A failure (unroutable: the worker is
+        gone; or its queue is full) is logged; liveness tracking deals with the worker."""
         try:
-            self.sock.send_multipart([worker_id.encode(), self.codec.encode(msg)],
-                                     flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # unroutable (worker gone) or full: liveness handles it
+            sent = self.sock.send_multipart([worker_id.encode(), self.codec.encode(msg)],
+                                            flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
             logger.warning("send to %s failed: %s", worker_id, exc)
+            return
+        if isinstance(sent, asyncio.Future):  # zmq.asyncio reports errors on the future
+            sent.add_done_callback(lambda fut: _log_send_failure(fut, worker_id))
 
     async def _recv_loop(self) -> None:
         while True:
@@ -513,3 +518,12 @@ class Router:
                           and not remote.is_kv_sent):
                         self._count("kv_transfer_failures", "prefill_worker_died")
                         self._kv_failed(handle, f"prefill worker {worker.worker_id} died")
+
+
+def _log_send_failure(fut: asyncio.Future, worker_id: str) -> None:
+    """Done-callback of a non-blocking send: log its error (never leave it unretrieved)."""
+    if fut.cancelled():
+        return
+    exc = fut.exception()
+    if exc is not None:
+        logger.warning("send to %s failed: %s", worker_id, exc)
