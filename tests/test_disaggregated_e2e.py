@@ -152,12 +152,14 @@ def test_fp8_kv_keeps_greedy_tokens_for_nine_of_ten_prompts(colocated):
             matches.append(n)
         print(f"FP8 KV: first-mismatch positions over 32 greedy tokens: {matches}")
         # The target is 9 of 10; measured here 8 of 10 (bf16 SmolLM2, per-block,
-        # per-head scales), so the test guards against regressions below 7. The two misses
-        # are near-ties of the bf16 logits (reference top-2 margin 0.0 and 0.125, one bf16
-        # ulp at |logit| 16..32). Measured in process on these 10 prompts and 12 Brown
-        # passages (full 32-token matches): as now 8/10, 4/12; K mean-centering (K error
-        # 4.1 % -> 2.6 %) 7/10, 3/12; bf16 block 0 9/10, 4/12; int8 per block (not FP8,
-        # K/V error 2.1 %/1.2 % vs 4.1 %/2.9 %) 9/10, 5/12 -- none beats prompt-to-prompt noise.
+        # per-head scales), so the test guards against regressions below 7. It is the
+        # 3-bit mantissa of e4m3 meeting near-ties of this 135M model's logits, not the
+        # wire: `bench/kv_accuracy.py` in fp32 (no bf16 tie noise; 32 tokens, these 10
+        # prompts + 20 held-out Brown passages) keeps 10/10 + 19/20 with bf16-rounded KV,
+        # 8/10 + 9/20 with this FP8 codec and 8/10 + 14/20 with an int8 reference; the same
+        # two prompts flip under FP8 and int8, and every FP8 flip is at a reference top-2
+        # logprob gap below 0.1. (Session 3, bf16: K mean-centering 7/10, bf16 block 0
+        # 9/10 but 4/12 Brown -- nothing within the scale layout beats prompt noise.)
         assert sum(n == 32 for n in matches) >= 7
         m = wait_idle(srv)
         assert m["pdserve:kv_cache_usage_perc{}"] == 0
