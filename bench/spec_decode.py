@@ -41,6 +41,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--methods", default="none,ngram,eagle,draft")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=8,
+                   help="prompts run one after another at batch 1 (earlier versions of this "
+                        "script ran only the first one there)")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="end answers at EOS (tok/s over the tokens really generated; the "
                         "default ignores EOS so every method emits the same count)")
@@ -73,8 +76,10 @@ def run(method: str, batch_size: int, args, prompts_text: list[str]) -> dict:
     llm = LLM(None, dtype=args.dtype, load_progress=False, speculative_method=method,
               num_speculative_tokens=args.num_speculative_tokens, speculative_model=model,
               speculative_draft_confidence=args.draft_confidence if model else 0.0)
-    prompts = [llm.chat_prompt_ids([{"role": "user", "content": q}])
-               for q in (prompts_text * 4)[:batch_size]]
+    # batch 1: every prompt of the set, one at a time; batch N: the first N (cycled)
+    texts = prompts_text[:args.num_prompts] if batch_size == 1 else \
+        (prompts_text * (batch_size // len(prompts_text) + 1))[:batch_size]
+    prompts = [llm.chat_prompt_ids([{"role": "user", "content": q}]) for q in texts]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
                             ignore_eos=not args.stop_at_eos)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), detokenize=False)  # warm-up

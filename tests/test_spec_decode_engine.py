@@ -209,3 +209,54 @@ def test_draft_confidence_ends_chains_early_and_keeps_output(qwen3):
 
 def test_eagle_draft_confidence_keeps_output(qwen3, eagle_head):
     _check_draft_confidence(*qwen3, "eagle", str(eagle_head))
+
+
+def _check_disable_by_batch_size(path, plain, method: str, model: str | None) -> None:
+    """``speculative_disable_by_batch_size=4``: after a step leaving >= 4 requests running
+    nobody carries drafts; once fewer run, drafting resumes (model drafters kept ingesting
+    meanwhile); output is plain decoding's and nothing leaks."""
+    prompts = _prompts()
+    params = _mixed_params(plain)
+    expected = _greedy(LLM(str(path), dtype="float32", load_progress=False), prompts, params)
+    llm = LLM(str(path), dtype="float32", load_progress=False, speculative_method=method,
+              num_speculative_tokens=K, speculative_model=model,
+              speculative_disable_by_batch_size=4)
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    got: dict[str, list[int]] = {}
+    drafted_at: list[int] = []  # running count after each step that left drafts
+    steps_at_cap = 0
+    while engine.has_unfinished_requests:
+        for d in engine.step():
+            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+        running = engine.scheduler.running
+        steps_at_cap += len(running) >= 4
+        if method != "ngram":  # the drafter ingested this step's tokens, drafts or not
+            for r in running:  # (a draft model may leave a token without a slot for later)
+                if r.num_tokens - r.num_computed_tokens == 1:
+                    assert r.num_draft_computed >= r.num_computed_tokens, (method, r.request_id)
+        if any(r.spec_token_ids for r in running):
+            drafted_at.append(len(running))
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    assert steps_at_cap > 0 and drafted_at and max(drafted_at) < 4
+    if method == "draft":  # draft == target: its cache stayed whole through the pause
+        assert engine.spec_stats.num_accepted_tokens == engine.spec_stats.num_draft_tokens > 0
+    assert engine.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_disable_by_batch_size_drafts_only_below_the_cap(qwen3, method):
+    path, plain = qwen3
+    _check_disable_by_batch_size(path, plain, method, str(path) if method == "draft" else None)
+
+
+def test_eagle_disable_by_batch_size_drafts_only_below_the_cap(qwen3, eagle_head):
+    _check_disable_by_batch_size(*qwen3, "eagle", str(eagle_head))
+
+
+def test_disable_by_batch_size_must_be_a_count():
+    from pdserve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        EngineConfig(speculative_disable_by_batch_size=-1)

@@ -54,6 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="end a draft chain once the drafter's probability of the whole chain "
                         "(product over its tokens) falls below this (model drafters; 0 = "
                         "always draft k tokens)")
+    s.add_argument("--speculative-disable-by-batch-size", type=int, default=0,
+                   help="draft nothing while at least this many requests are running (large "
+                        "batches gain nothing from speculation on CPU); 0 = never")
     add_quantization_args(g)
 
 
@@ -97,6 +100,7 @@ def _engine_config_from_args(args: argparse.Namespace, model: str | None) -> Eng
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,
         speculative_draft_confidence=args.speculative_draft_confidence,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         quantization=args.quantization, quantization_skip=parse_skip_list(args.quantization_skip),
     )
 
@@ -118,7 +122,8 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--no-enable-prefix-caching")
     argv += ["--speculative-method", args.speculative_method,
              "--num-speculative-tokens", str(args.num_speculative_tokens),
-             "--speculative-draft-confidence", str(args.speculative_draft_confidence)]
+             "--speculative-draft-confidence", str(args.speculative_draft_confidence),
+             "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
     if args.speculative_model:
         argv += ["--speculative-model", args.speculative_model]
     if args.enforce_eager:

@@ -54,6 +54,12 @@ class EngineConfig:
     verification rows. The token that fell below is still proposed. Output is unchanged
     (verification alone decides what is emitted).
 
+    ``speculative_disable_by_batch_size`` (0 = never) drafts nothing in a step after which
+    at least this many requests are running: a large batch already fills the GEMMs that
+    made verification nearly free at small batches, so drafts there cost more than they
+    save (vLLM's option of the same name). Model drafters still ingest the step's tokens,
+    so their caches stay complete for when the batch shrinks again.
+
     Raises:
         ValueError: naming the field, for any invalid value.
     """
@@ -76,6 +82,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_model: str | None = None
     speculative_draft_confidence: float = 0.0
+    speculative_disable_by_batch_size: int = 0
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None
@@ -134,6 +141,10 @@ class EngineConfig:
                 and 0.0 <= self.speculative_draft_confidence < 1.0):
             raise ValueError("speculative_draft_confidence must be a number in [0, 1), "
                              f"got {self.speculative_draft_confidence!r}")
+        if not isinstance(self.speculative_disable_by_batch_size, int) \
+                or self.speculative_disable_by_batch_size < 0:
+            raise ValueError("speculative_disable_by_batch_size must be an integer >= 0 "
+                             f"(0 = never), got {self.speculative_disable_by_batch_size!r}")
         needs_model = self.speculative_method in ("draft", "eagle")
         if self.speculative_draft_confidence > 0 and not needs_model:
             raise ValueError("speculative_draft_confidence applies to the model drafters "

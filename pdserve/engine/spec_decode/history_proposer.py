@@ -21,8 +21,10 @@ class HistoryProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
 
-    def propose(self, sched, live_requests: list[Request]) -> None:
+    def propose(self, sched, live_requests: list[Request], allow_drafts: bool = True) -> None:
         """Point-mass drafts (``spec_draft_probs`` None) for every decoding request."""
+        if not allow_drafts:
+            return
         drafting = [(r, n) for r in live_requests
                     if (n := max_num_drafts(r, self.num_speculative_tokens,
                                             self.max_model_len)) > 0]

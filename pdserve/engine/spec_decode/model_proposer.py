@@ -107,8 +107,9 @@ class ModelProposer:
 
     # -- the proposal ----------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, sched, live_requests: list[Request]) -> None:
-        """Ingest the step's new tokens and leave drafts on the decoding requests."""
+    def propose(self, sched, live_requests: list[Request], allow_drafts: bool = True) -> None:
+        """Ingest the step's new tokens and leave drafts on the decoding requests
+        (``allow_drafts`` False: ingest only)."""
         index = {s.request.request_id: i for i, s in enumerate(sched.scheduled)}
         plans: list[_Draft] = []
         for req in live_requests:
@@ -116,7 +117,7 @@ class ModelProposer:
             if plan is None:
                 continue
             plan.num_drafts = self._reserve(req, max_num_drafts(
-                req, self.num_speculative_tokens, self.max_model_len))
+                req, self.num_speculative_tokens, self.max_model_len)) if allow_drafts else 0
             if plan.num_drafts == 0:  # ingest only what has slots
                 room = len(req.block_table) * self.block_size
                 plan.ingest_end = min(plan.ingest_end, room)
@@ -353,8 +354,8 @@ class DraftModelProposer(ModelProposer):
         # K/V of tokens[:-1] is written at positions ingest_end ...
         self._written[draft.request.request_id] = (draft.ingest_end, tokens[:-1])
 
-    def propose(self, sched, live_requests: list[Request]) -> None:
+    def propose(self, sched, live_requests: list[Request], allow_drafts: bool = True) -> None:
         live = {r.request_id for r in live_requests}
         for request_id in [r for r in self._written if r not in live]:
             del self._written[request_id]  # finished or aborted
-        super().propose(sched, live_requests)
+        super().propose(sched, live_requests, allow_drafts)

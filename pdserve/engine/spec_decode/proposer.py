@@ -49,12 +49,15 @@ class TokenProposer(Protocol):
 class SpecProposer(Protocol):
     """Leaves drafts on the requests after each engine step."""
 
-    def propose(self, sched: "SchedulerOutput", live_requests: list[Request]) -> None:
+    def propose(self, sched: "SchedulerOutput", live_requests: list[Request],
+                allow_drafts: bool = True) -> None:
         """Set ``spec_token_ids`` (and ``spec_draft_probs``) of ``live_requests``.
 
         Args:
             sched: the step that just ran (its requests' state is already updated).
             live_requests: the scheduled requests that did not finish in that step.
+            allow_drafts: False: draft nothing this step (a model drafter still ingests
+                the step's tokens into its own cache).
         """
         ...
 
