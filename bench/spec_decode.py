@@ -85,7 +85,8 @@ def build(method: str, args):
     return LLM(None, dtype=args.dtype, load_progress=False, speculative_method=name,
                num_speculative_tokens=args.num_speculative_tokens, speculative_model=model,
                speculative_draft_confidence=confidence,
-               speculative_disable_by_batch_size=args.disable_by_batch_size)
+               speculative_disable_by_batch_size=args.disable_by_batch_size if name != "none"
+               else 0)
 
 
 def measure(llm, batch_size: int, args, prompts_text: list[str]) -> tuple[float, object]:

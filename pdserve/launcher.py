@@ -226,7 +226,8 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     config = engine_config_from_args(args, args.model)
     if role == "prefill":  # it samples one token per request: nothing to speculate on
         config = dataclasses.replace(config, speculative_method="none", speculative_model=None,
-                                     speculative_draft_confidence=0.0)
+                                     speculative_draft_confidence=0.0,
+                                     speculative_disable_by_batch_size=0)
     engine = LLMEngine(config)
     name = args.served_model_name or served_model_name(args.model, engine.model_path)
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

@@ -60,6 +60,9 @@ def test_draft_confidence_without_a_model_drafter_is_rejected():
     (["--speculative-method", "eagle"],
      "--speculative-model is required for --speculative-method='eagle'"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be positive, got 0"),
+    (["--speculative-disable-by-batch-size", "2"],
+     "--speculative-disable-by-batch-size needs a --speculative-method (eagle, draft or "
+     "ngram); speculation is off"),
 ])
 def test_cli_names_the_flag_in_one_line(argv, message, capsys):
     """``pdserve decode-worker`` checks the engine config before loading anything; its

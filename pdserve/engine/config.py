@@ -150,6 +150,9 @@ class EngineConfig:
             raise ValueError("speculative_draft_confidence applies to the model drafters "
                              f"(eagle, draft), not speculative_method="
                              f"{self.speculative_method!r}")
+        if self.speculative_disable_by_batch_size and self.speculative_method == "none":
+            raise ValueError("speculative_disable_by_batch_size needs a speculative_method "
+                             "(eagle, draft or ngram); speculation is off")
         if needs_model and not self.speculative_model:
             raise ValueError(f"speculative_model is required for speculative_method="
                              f"{self.speculative_method!r}")
