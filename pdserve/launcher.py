@@ -141,8 +141,9 @@ async def _serve_http(state, host: str, port: int, workers: list[subprocess.Pope
     task = asyncio.create_task(server.serve())
     if wait_for_worker:
         deadline = asyncio.get_running_loop().time() + WORKER_READY_TIMEOUT_S
+        # Check registration before exits: a worker that registered and then died is the
+        # watcher's to report (serving goes on), not a start-up failure.
         while len(state.router.registry.workers) < len(workers):
-            await asyncio.sleep(0.2)
             if any(w.poll() is not None for w in workers):
                 print("pdserve: a worker exited during start-up; see its log above",
                       file=sys.stderr)
@@ -153,6 +154,7 @@ async def _serve_http(state, host: str, port: int, workers: list[subprocess.Pope
                 server.should_exit = True
                 await task
                 return 1
+            await asyncio.sleep(0.2)
     print(f"pdserve: serving {state.model_name} at http://{host}:{port}/v1", flush=True)
     watcher = asyncio.create_task(_watch_workers(workers)) if workers else None
     try:
