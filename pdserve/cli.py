@@ -71,6 +71,16 @@ def _cmd_local_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _self_written_round(text: str) -> tuple[int, int | None]:
+    """``COUNT[:MAX_ANSWER_TOKENS]`` of ``--extra-self-written`` (None: the default length)."""
+    count, _, tokens = text.partition(":")
+    try:
+        return int(count), (int(tokens) if tokens else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected COUNT or COUNT:MAX_ANSWER_TOKENS, got {text!r}") from None
+
+
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
     from pdserve.engine.spec_decode.eagle_data import CorpusFetchError
     from pdserve.engine.spec_decode.train_eagle import (
@@ -85,6 +95,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         max_train_tokens=args.max_train_tokens, device=args.device, init_from=args.init_from,
         draft_vocab_size=args.draft_vocab_size or None,
         self_written_prompts=args.self_written_prompts,
+        extra_self_written=tuple((n, t or args.max_answer_tokens)
+                                 for n, t in args.extra_self_written or ()),
         hyper=TrainHyperParams(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                                unroll_steps=args.unroll_steps,
                                max_train_minutes=args.max_train_minutes, seed=args.seed),
@@ -298,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--self-written-prompts", type=int, default=0,
                    help="also train on this many chat requests the target writes itself "
                         "(Magpie), with its answers; 1 in 8 more are held out")
+    p.add_argument("--extra-self-written", type=_self_written_round, action="append",
+                   metavar="COUNT[:MAX_ANSWER_TOKENS]",
+                   help="one more round of this many self-written requests, all for training "
+                        "(seed + round number; answers up to MAX_ANSWER_TOKENS, default "
+                        "--max-answer-tokens); repeatable; each round is cached on its own "
+                        "(--max-train-tokens does not cap them)")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="draft over this many most frequent answer tokens (FR-Spec; the LM "
                         "head is most of a small model's draft step); 0: the whole vocabulary")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,48 @@ def test_target_writes_its_own_chat_requests(default_model_path):
     specs = self_written_specs(texts, 2)
     assert [s.is_held_out for s in specs] == [False] * 4 + [True] * 2
     assert all(s.is_chat for s in specs)
+
+
+def test_train_eagle_runs_end_to_end_and_caches_each_self_written_round(
+        default_model_path, target, tmp_path, monkeypatch):
+    """``pdserve train-eagle`` on the default model from a text file, with self-written
+    requests and one extra round: it writes a loadable head whose README and provenance
+    describe the round, the round's answers and features are cached on their own, the
+    round repeats no earlier prompt, and a second run reuses every cache."""
+    from importlib import resources
+
+    from pdserve.cli import main
+    from pdserve.engine.spec_decode.eagle_data import load_sequences
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    text = Path(str(resources.files("pdserve.data"))) / "held_text.txt"
+    argv = ["train-eagle", "--model", str(default_model_path), "--data", str(text),
+            "--num-prompts", "4", "--num-held-out", "2", "--max-answer-tokens", "8",
+            "--self-written-prompts", "8", "--extra-self-written", "6:12", "--epochs", "1",
+            "--batch-tokens", "512", "--draft-vocab-size", "64"]
+    assert main([*argv, "--out", str(tmp_path / "head")]) == 0
+    data = tmp_path / "cache" / "eagle-data"
+    [round_file] = [f for f in data.glob("*.self-written.jsonl")
+                    if len(load_sequences(f)) <= 6]
+    extra = load_sequences(round_file)
+    assert extra and not any(s.is_held_out for s in extra)
+    assert all(len(s.answer_ids) <= 12 for s in extra)
+    earlier = {tuple(s.prompt_ids) for f in data.glob("*.jsonl") if f != round_file
+               for s in load_sequences(f)}
+    assert not earlier & {tuple(s.prompt_ids) for s in extra}
+    assert round_file.with_suffix("").with_suffix(".features.pt").is_file()
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    provenance = config["pdserve_provenance"]
+    assert provenance["extra_self_written"] == [[6, 12]]
+    assert provenance["num_train_sequences"] == 4 + 8 + len(extra)
+    assert "a round of 6 more self-written requests (seed 1" in (
+        tmp_path / "head" / "README.md").read_text()
+    head = load_eagle_model(tmp_path / "head", target, TorchAttentionBackend(CPU), 256,
+                            torch.float32)
+    assert head.cfg.draft_vocab_size == 64
+    cached = sorted(f.name for f in data.iterdir())
+    mtimes = {f.name: f.stat().st_mtime_ns for f in data.iterdir()}
+    assert main([*argv, "--out", str(tmp_path / "again")]) == 0
+    assert sorted(f.name for f in data.iterdir()) == cached
+    assert {f.name: f.stat().st_mtime_ns for f in data.iterdir()} == mtimes
+

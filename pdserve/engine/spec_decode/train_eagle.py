@@ -66,6 +66,11 @@ class TrainEagleConfig:
         self_written_prompts: additional chat prompts the target writes itself (Magpie,
             see :func:`~.eagle_data.generate_self_written_prompts`); one in eight more is
             written for the held-out estimate.
+        extra_self_written: further rounds of self-written requests, all for training, as
+            ``(count, max_answer_tokens)``: round ``r`` (from 1) samples with seed
+            ``seed + r`` and drops requests that repeat an earlier prompt. Each round is
+            cached on its own, answers and target features, so adding one to an earlier
+            recipe computes only the new round.
         draft_vocab_size: size of the frequency-ranked draft vocabulary (FR-Spec, Zhao et
             al. 2025): the most frequent ids of the training answers; None or the target's
             vocabulary size to draft over every id.
@@ -86,8 +91,13 @@ class TrainEagleConfig:
     init_from: Path | None = None
     draft_vocab_size: int | None = None
     self_written_prompts: int = 0
+    extra_self_written: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        for count, max_tokens in self.extra_self_written:
+            if count <= 0 or max_tokens <= 0:
+                raise ValueError("extra_self_written rounds need a positive count and "
+                                 f"max_answer_tokens, got {count}:{max_tokens}")
         if self.self_written_prompts < 0:
             raise ValueError("self_written_prompts must be >= 0, got "
                              f"{self.self_written_prompts}")
@@ -225,10 +235,11 @@ def frequent_token_ids(sequences: list[DistillSequence], size: int, vocab_size: 
 
 
 def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
-                       ) -> tuple[list[DistillSequence], Path]:
+                       ) -> tuple[list[DistillSequence], Path, list[tuple[Path, list[DistillSequence]]]]:
     """The target's answers to the prompts, generated once and cached by content hash.
 
-    Returns the sequences and the cache file's path without suffix (for derived caches).
+    Returns the sequences, the cache file's path without suffix (for derived caches), and
+    each extra self-written round as ``(its cache path without suffix, its sequences)``.
     """
     from pdserve.engine.llm import LLM
     from pdserve.engine.loader.default_model import default_cache_dir
@@ -268,7 +279,24 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
             save_sequences(sw_cache, written)
         sequences = sequences + written
         stem = stem.with_name(f"{stem.name}-sw{key}")
-    return sequences, stem
+    seen = {tuple(s.prompt_ids) for s in sequences}
+    rounds = []
+    for r, (count, max_tokens) in enumerate(cfg.extra_self_written, start=1):
+        seed = cfg.hyper.seed + r
+        key = data_cache_key(model_path, [PromptSpec(f"self-written round {count} {seed}",
+                                                     True, False)], max_tokens, "float32")
+        round_cache = stem.parent / f"{key}.self-written.jsonl"
+        if round_cache.is_file():
+            written = load_sequences(round_cache)
+        else:
+            texts = generate_self_written_prompts(target_llm(), count, seed, use_tqdm=use_tqdm)
+            written = generate_answers(target_llm(), self_written_specs(texts, 0), max_tokens,
+                                       use_tqdm=use_tqdm)
+            written = [s for s in written if tuple(s.prompt_ids) not in seen]
+            save_sequences(round_cache, written)
+        seen.update(tuple(s.prompt_ids) for s in written)
+        rounds.append((round_cache.with_suffix(""), written))
+    return sequences, stem, rounds
 
 
 def _features(target, sequences: list[DistillSequence], cache: Path, use_tqdm: bool,
@@ -307,6 +335,10 @@ def write_readme(out: Path, result: TrainEagleResult, cfg: TrainEagleConfig,
         f"; plus {cfg.self_written_prompts} (+ {max(1, cfg.self_written_prompts // 8)} "
         "held out) chat requests the target wrote itself from its bare user-turn prefix "
         "(Magpie, Xu et al. 2024; temperature 1, top-p 0.95)")
+    for r, (count, max_tokens) in enumerate(cfg.extra_self_written, start=1):
+        self_written += (f"; plus a round of {count} more self-written requests (seed "
+                         f"{cfg.hyper.seed + r}, repeats of earlier prompts dropped, answers of "
+                         f"at most {max_tokens} tokens, all for training)")
     vocab_line = ("every id in the teacher's top-8 on the training answers; the head drafts "
                   "over the full vocabulary") if not result.draft_vocab_size else (
         f"the head's draft vocabulary: the {result.draft_vocab_size} most frequent answer "
@@ -370,17 +402,22 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     t0 = time.perf_counter()
     model_path = resolve_model(cfg.model)
     torch.manual_seed(cfg.hyper.seed)
-    sequences, stem = _self_distill_data(cfg, model_path, use_tqdm)
+    sequences, stem, rounds = _self_distill_data(cfg, model_path, use_tqdm)
     train_seqs = _cap_tokens([s for s in sequences if not s.is_held_out], cfg.max_train_tokens)
     held_seqs = [s for s in sequences if s.is_held_out]
     if not train_seqs or not held_seqs:
         raise ValueError("not enough text for both training and held-out prompts")
-    max_position = max(len(s.prompt_ids) + len(s.answer_ids) for s in sequences) + 8
+    max_position = max(len(s.prompt_ids) + len(s.answer_ids)
+                       for s in sequences + [s for _, part in rounds for s in part]) + 8
     target = load_target_model(model_path, max_position, torch.float32, cfg.device)
-    log(f"target features for {len(train_seqs)} training + {len(held_seqs)} held-out sequences")
+    log(f"target features for {len(train_seqs) + sum(len(p) for _, p in rounds)} training + "
+        f"{len(held_seqs)} held-out sequences")
     suffix = f".{len(train_seqs)}.features.pt"
     train_data = _features(target, train_seqs, stem.with_suffix(".train" + suffix), use_tqdm)
     held_data = _features(target, held_seqs, stem.with_suffix(".held" + suffix), use_tqdm)
+    for round_stem, part in rounds:
+        train_data += _features(target, part, round_stem.with_suffix(".features.pt"), use_tqdm)
+        train_seqs = train_seqs + part
     draft_ids, coverage = None, 1.0
     vocab_size = target.cfg.vocab_size
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < vocab_size:
@@ -423,6 +460,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         "num_steps": history.num_steps,
         "loss_vocab_size": history.loss_vocab_size,
         "self_written_prompts": cfg.self_written_prompts,
+        "extra_self_written": [list(r) for r in cfg.extra_self_written],
         "draft_vocab_size": None if draft_ids is None else len(draft_ids),
         "draft_vocab_answer_coverage": round(coverage, 4),
         "train_time_s": round(history.elapsed_s, 1),
