@@ -313,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-self-written", type=_self_written_round, action="append",
                    metavar="COUNT[:MAX_ANSWER_TOKENS]",
                    help="one more round of this many self-written requests, all for training "
-                        "(seed + round number; answers up to MAX_ANSWER_TOKENS, default "
+                        "(seed + round number; each begun with an opener such as 'Explain' or "
+                        "'Write a poem about'; answers up to MAX_ANSWER_TOKENS, default "
                         "--max-answer-tokens); repeatable; each round is cached on its own "
                         "(--max-train-tokens does not cap them)")
     p.add_argument("--draft-vocab-size", type=int, default=8192,

@@ -112,6 +112,10 @@ def test_target_writes_its_own_chat_requests(default_model_path):
     assert len(texts) == len(set(texts)) == 6
     assert all(len(t.split()) >= 4 and "<|im_end|>" not in t for t in texts)
     assert generate_self_written_prompts(llm, 6, seed=1, use_tqdm=False) == texts
+    openers = ("Explain", "Write a poem about")
+    begun = generate_self_written_prompts(llm, 4, seed=1, use_tqdm=False, openers=openers)
+    assert len(set(begun)) == 4 and all(t.startswith(openers) for t in begun)
+    assert sum(t.startswith("Explain") for t in begun) >= 1
     specs = self_written_specs(texts, 2)
     assert [s.is_held_out for s in specs] == [False] * 4 + [True] * 2
     assert all(s.is_chat for s in specs)

@@ -315,15 +315,33 @@ def user_turn_prefix_ids(tokenizer) -> list[int]:
     return tokenizer.encode(text[:text.index(_USER_PLACEHOLDER)], add_special_tokens=False)
 
 
+#: First words that :func:`generate_self_written_prompts` may put at the start of a request.
+#: Left to itself (the bare user-turn prefix), SmolLM2-135M-Instruct writes two thirds of its
+#: requests as "I'm ... Can you help me ...?"; people ask with these (written for pdserve).
+REQUEST_OPENERS = (
+    "Explain", "Write a short story about", "Write a poem about", "What is", "What are",
+    "How do I", "How does", "Why do", "Why is", "Give me", "Describe", "Compare", "List",
+    "Summarize", "Suggest", "Tell me about", "Write an email", "Write a", "Can you explain",
+    "What's the difference between", "Help me", "Create a", "Plan a", "Recommend", "Rewrite",
+    "Define", "Outline", "Is it true that", "Who was", "When did", "Which", "Teach me",
+    "Give three", "Name", "Draft a", "Generate", "Calculate", "Correct the grammar of",
+    "Write a dialogue", "What would happen if",
+)
+
+
 def generate_self_written_prompts(llm, count: int, seed: int, max_tokens: int = 64,
-                                  use_tqdm: bool = True) -> list[str]:
+                                  use_tqdm: bool = True, openers: Sequence[str] = (),
+                                  ) -> list[str]:
     """``count`` distinct user requests sampled from the target itself (Magpie).
 
     The target continues its chat template's user-turn prefix with temperature 1 and
     top-p 0.95, each request with its own seed (``seed * 1_000_003 + i``), so the set is
-    reproducible. Requests that do not end (EOS) within ``max_tokens`` tokens, are under
-    four words or repeat an earlier one are dropped; up to four rounds of 1.5x ``count``
-    samples are drawn until ``count`` are kept.
+    reproducible. With ``openers`` (e.g. :data:`REQUEST_OPENERS`), sample ``i`` starts its
+    request with ``openers[i % len(openers)]`` and the target writes the rest: the same
+    method with the request's type chosen, for a wider spread than the model's favourite.
+    Requests that do not end (EOS) within ``max_tokens`` tokens, are under four words or
+    repeat an earlier one are dropped; up to four rounds of 1.5x ``count`` samples are
+    drawn until ``count`` are kept.
 
     Raises:
         ValueError: the chat template cannot be cut at the user message, or ``count``
@@ -332,9 +350,11 @@ def generate_self_written_prompts(llm, count: int, seed: int, max_tokens: int = 
     from pdserve.engine.sampling_params import SamplingParams
 
     prefix = user_turn_prefix_ids(llm.tokenizer)
+    starts = [llm.tokenizer.encode(o, add_special_tokens=False) for o in openers]
     kept: list[str] = []
     seen: set[str] = set()
     next_seed = seed * 1_000_003
+    drawn = 0
     for _ in range(4):
         need = count - len(kept)
         if need <= 0:
@@ -343,10 +363,13 @@ def generate_self_written_prompts(llm, count: int, seed: int, max_tokens: int = 
         params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens,
                                  seed=next_seed + i) for i in range(n)]
         next_seed += n
-        outs = llm.generate([prefix] * n, params, use_tqdm=use_tqdm)
-        for out in outs:
+        which = [(drawn + i) % len(openers) for i in range(n)] if openers else [None] * n
+        drawn += n
+        outs = llm.generate([prefix + (starts[w] if w is not None else []) for w in which],
+                            params, use_tqdm=use_tqdm)
+        for out, w in zip(outs, which):
             comp = out.outputs[0]
-            text = comp.text.strip()
+            text = (comp.text if w is None else openers[w] + comp.text).strip()
             if comp.finish_reason != "stop" or len(text.split()) < 4 or text in seen:
                 continue
             seen.add(text)

@@ -28,6 +28,7 @@ from pdserve.engine.spec_decode.eagle_data import (
     PromptSpec,
     data_cache_key,
     generate_answers,
+    REQUEST_OPENERS,
     generate_self_written_prompts,
     load_prompt_specs,
     load_sequences,
@@ -68,7 +69,8 @@ class TrainEagleConfig:
             written for the held-out estimate.
         extra_self_written: further rounds of self-written requests, all for training, as
             ``(count, max_answer_tokens)``: round ``r`` (from 1) samples with seed
-            ``seed + r`` and drops requests that repeat an earlier prompt. Each round is
+            ``seed + r``, starts the requests with :data:`~.eagle_data.REQUEST_OPENERS`
+            in turn, and drops requests that repeat an earlier prompt. Each round is
             cached on its own, answers and target features, so adding one to an earlier
             recipe computes only the new round.
         draft_vocab_size: size of the frequency-ranked draft vocabulary (FR-Spec, Zhao et
@@ -249,8 +251,10 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
     def target_llm():
         nonlocal llm
         if llm is None:
+            # 64 running requests on CPU: the torch backend gathers each request's context
+            # per layer, and at 256 half the CPU time went to the kernel (page faults)
             llm = LLM(str(model_path), dtype="float32", device=cfg.device, load_progress=False,
-                      max_model_len=2048)
+                      max_model_len=2048, max_num_seqs=64 if cfg.device == "cpu" else 256)
         return llm
 
     specs = load_prompt_specs(cfg.data, cfg.num_prompts, cfg.num_held_out, cfg.hyper.seed)
@@ -283,13 +287,15 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
     rounds = []
     for r, (count, max_tokens) in enumerate(cfg.extra_self_written, start=1):
         seed = cfg.hyper.seed + r
-        key = data_cache_key(model_path, [PromptSpec(f"self-written round {count} {seed}",
+        key = data_cache_key(model_path, [PromptSpec(f"self-written round {count} {seed} "
+                                                     f"openers {len(REQUEST_OPENERS)}",
                                                      True, False)], max_tokens, "float32")
         round_cache = stem.parent / f"{key}.self-written.jsonl"
         if round_cache.is_file():
             written = load_sequences(round_cache)
         else:
-            texts = generate_self_written_prompts(target_llm(), count, seed, use_tqdm=use_tqdm)
+            texts = generate_self_written_prompts(target_llm(), count, seed, use_tqdm=use_tqdm,
+                                                  openers=REQUEST_OPENERS)
             written = generate_answers(target_llm(), self_written_specs(texts, 0), max_tokens,
                                        use_tqdm=use_tqdm)
             written = [s for s in written if tuple(s.prompt_ids) not in seen]
@@ -337,8 +343,10 @@ def write_readme(out: Path, result: TrainEagleResult, cfg: TrainEagleConfig,
         "(Magpie, Xu et al. 2024; temperature 1, top-p 0.95)")
     for r, (count, max_tokens) in enumerate(cfg.extra_self_written, start=1):
         self_written += (f"; plus a round of {count} more self-written requests (seed "
-                         f"{cfg.hyper.seed + r}, repeats of earlier prompts dropped, answers of "
-                         f"at most {max_tokens} tokens, all for training)")
+                         f"{cfg.hyper.seed + r}, each begun with one of "
+                         f"{len(REQUEST_OPENERS)} openers such as \"Explain\" or \"Write a "
+                         f"poem about\", repeats of earlier prompts dropped, answers of at "
+                         f"most {max_tokens} tokens, all for training)")
     vocab_line = ("every id in the teacher's top-8 on the training answers; the head drafts "
                   "over the full vocabulary") if not result.draft_vocab_size else (
         f"the head's draft vocabulary: the {result.draft_vocab_size} most frequent answer "
