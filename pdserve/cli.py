@@ -73,12 +73,15 @@ def _cmd_local_cluster(args: argparse.Namespace) -> int:
 
 def _self_written_round(text: str) -> tuple[int, int | None]:
     """``COUNT[:MAX_ANSWER_TOKENS]`` of ``--extra-self-written`` (None: the default length)."""
-    count, _, tokens = text.partition(":")
+    count, colon, tokens = text.partition(":")
     try:
-        return int(count), (int(tokens) if tokens else None)
+        parsed = int(count), (int(tokens) if colon else None)
     except ValueError:
+        parsed = None
+    if parsed is None or parsed[0] <= 0 or (parsed[1] is not None and parsed[1] <= 0):
         raise argparse.ArgumentTypeError(
-            f"expected COUNT or COUNT:MAX_ANSWER_TOKENS, got {text!r}") from None
+            f"expected COUNT or COUNT:MAX_ANSWER_TOKENS, both positive integers, got {text!r}")
+    return parsed
 
 
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
@@ -95,7 +98,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         max_train_tokens=args.max_train_tokens, device=args.device, init_from=args.init_from,
         draft_vocab_size=args.draft_vocab_size or None,
         self_written_prompts=args.self_written_prompts,
-        extra_self_written=tuple((n, t or args.max_answer_tokens)
+        extra_self_written=tuple((n, args.max_answer_tokens if t is None else t)
                                  for n, t in args.extra_self_written or ()),
         hyper=TrainHyperParams(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                                unroll_steps=args.unroll_steps,
@@ -297,7 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-answer-tokens", type=int, default=96,
                    help="most tokens the target generates per prompt")
     p.add_argument("--max-train-tokens", type=int, default=None,
-                   help="cap on training tokens, prompt + answer (default: all)")
+                   help="cap on training tokens, prompt + answer, of the text prompts and "
+                        "--self-written-prompts (default: all; --extra-self-written rounds "
+                        "come on top)")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the training data")
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW peak learning rate")
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per training batch")
@@ -313,10 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-self-written", type=_self_written_round, action="append",
                    metavar="COUNT[:MAX_ANSWER_TOKENS]",
                    help="one more round of this many self-written requests, all for training "
-                        "(seed + round number; each begun with an opener such as 'Explain' or "
-                        "'Write a poem about'; answers up to MAX_ANSWER_TOKENS, default "
-                        "--max-answer-tokens); repeatable; each round is cached on its own "
-                        "(--max-train-tokens does not cap them)")
+                        "(sampled with --seed plus the round's number; each begun with an "
+                        "opener such as 'Explain' or 'Write a poem about'; repeats of earlier "
+                        "prompts dropped; answers up to MAX_ANSWER_TOKENS, default "
+                        "--max-answer-tokens); repeatable; each round's answers and features "
+                        "are cached on their own; --max-train-tokens does not cap them")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="draft over this many most frequent answer tokens (FR-Spec; the LM "
                         "head is most of a small model's draft step); 0: the whole vocabulary")

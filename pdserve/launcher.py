@@ -151,6 +151,11 @@ async def _serve_http(state, host: str, port: int, workers: list[subprocess.Pope
                 await task
                 return 1
             if task.done() or asyncio.get_running_loop().time() > deadline:
+                if not task.done():
+                    print(f"pdserve: {len(workers) - len(state.router.registry.workers)} of "
+                          f"{len(workers)} workers did not register within "
+                          f"{WORKER_READY_TIMEOUT_S:.0f} s; see their logs above",
+                          file=sys.stderr)
                 server.should_exit = True
                 await task
                 return 1

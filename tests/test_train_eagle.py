@@ -124,3 +124,13 @@ def test_cli_missing_model_is_a_one_line_error(tmp_path, capsys):
     code = main(["train-eagle", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "not found" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["abc", "5:", ":5", "3:0", "0", "-1", "3:4:5"])
+def test_cli_bad_extra_self_written_round_is_refused(tiny_dir, tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["train-eagle", "--model", str(tiny_dir), "--out", str(tmp_path / "o"),
+              "--extra-self-written", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert f"expected COUNT or COUNT:MAX_ANSWER_TOKENS, both positive integers, got {value!r}" in err

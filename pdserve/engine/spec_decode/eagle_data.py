@@ -369,7 +369,8 @@ def generate_self_written_prompts(llm, count: int, seed: int, max_tokens: int = 
                             params, use_tqdm=use_tqdm)
         for out, w in zip(outs, which):
             comp = out.outputs[0]
-            text = (comp.text if w is None else openers[w] + comp.text).strip()
+            text = (comp.text if w is None else llm.tokenizer.decode(
+                starts[w] + list(comp.token_ids), skip_special_tokens=True)).strip()
             if comp.finish_reason != "stop" or len(text.split()) < 4 or text in seen:
                 continue
             seen.add(text)

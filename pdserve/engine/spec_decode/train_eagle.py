@@ -96,10 +96,6 @@ class TrainEagleConfig:
     extra_self_written: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        for count, max_tokens in self.extra_self_written:
-            if count <= 0 or max_tokens <= 0:
-                raise ValueError("extra_self_written rounds need a positive count and "
-                                 f"max_answer_tokens, got {count}:{max_tokens}")
         if self.self_written_prompts < 0:
             raise ValueError("self_written_prompts must be >= 0, got "
                              f"{self.self_written_prompts}")
@@ -108,6 +104,10 @@ class TrainEagleConfig:
         for name in ("num_prompts", "num_held_out", "max_answer_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for count, max_tokens in self.extra_self_written:
+            if count <= 0 or max_tokens <= 0:
+                raise ValueError("extra_self_written rounds need a positive count and "
+                                 f"max_answer_tokens, got {count}:{max_tokens}")
         if self.max_train_tokens is not None and self.max_train_tokens <= 0:
             raise ValueError(f"max_train_tokens must be positive, got {self.max_train_tokens}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -134,6 +134,7 @@ class TrainEagleResult:
     draft_vocab_size: int | None = None
     draft_vocab_coverage: float = 1.0
     estimate_by_source: dict = field(default_factory=dict)
+    extra_rounds_kept: list[int] = field(default_factory=list)
 
 
 def head_config_dict(target_hf: dict, provenance: dict,
@@ -237,11 +238,11 @@ def frequent_token_ids(sequences: list[DistillSequence], size: int, vocab_size: 
 
 
 def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
-                       ) -> tuple[list[DistillSequence], Path, list[tuple[Path, list[DistillSequence]]]]:
+                       ) -> tuple[list[DistillSequence], Path, list[_Round]]:
     """The target's answers to the prompts, generated once and cached by content hash.
 
     Returns the sequences, the cache file's path without suffix (for derived caches), and
-    each extra self-written round as ``(its cache path without suffix, its sequences)``.
+    each extra self-written round.
     """
     from pdserve.engine.llm import LLM
     from pdserve.engine.loader.default_model import default_cache_dir
@@ -283,13 +284,15 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
             save_sequences(sw_cache, written)
         sequences = sequences + written
         stem = stem.with_name(f"{stem.name}-sw{key}")
+    # A round is cached as generated (its key: count, seed, openers, answer length) and
+    # filtered here, against whatever came before it in this run.
     seen = {tuple(s.prompt_ids) for s in sequences}
     rounds = []
     for r, (count, max_tokens) in enumerate(cfg.extra_self_written, start=1):
         seed = cfg.hyper.seed + r
-        key = data_cache_key(model_path, [PromptSpec(f"self-written round {count} {seed} "
-                                                     f"openers {len(REQUEST_OPENERS)}",
-                                                     True, False)], max_tokens, "float32")
+        key = data_cache_key(model_path, [PromptSpec(
+            f"self-written round {count} {seed} openers {'|'.join(REQUEST_OPENERS)}",
+            True, False)], max_tokens, "float32")
         round_cache = stem.parent / f"{key}.self-written.jsonl"
         if round_cache.is_file():
             written = load_sequences(round_cache)
@@ -298,11 +301,25 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
                                                   openers=REQUEST_OPENERS)
             written = generate_answers(target_llm(), self_written_specs(texts, 0), max_tokens,
                                        use_tqdm=use_tqdm)
-            written = [s for s in written if tuple(s.prompt_ids) not in seen]
             save_sequences(round_cache, written)
+        keep = [tuple(s.prompt_ids) not in seen for s in written]
         seen.update(tuple(s.prompt_ids) for s in written)
-        rounds.append((round_cache.with_suffix(""), written))
+        rounds.append(_Round(round_cache.with_suffix(""), written, keep))
     return sequences, stem, rounds
+
+
+@dataclass
+class _Round:
+    """An extra self-written round: its cache stem, its sequences as generated, and which
+    of them to train on (False: the prompt repeats an earlier one)."""
+
+    stem: Path
+    sequences: list[DistillSequence]
+    keep: list[bool]
+
+    @property
+    def kept(self) -> list[DistillSequence]:
+        return [s for s, k in zip(self.sequences, self.keep) if k]
 
 
 def _features(target, sequences: list[DistillSequence], cache: Path, use_tqdm: bool,
@@ -341,12 +358,13 @@ def write_readme(out: Path, result: TrainEagleResult, cfg: TrainEagleConfig,
         f"; plus {cfg.self_written_prompts} (+ {max(1, cfg.self_written_prompts // 8)} "
         "held out) chat requests the target wrote itself from its bare user-turn prefix "
         "(Magpie, Xu et al. 2024; temperature 1, top-p 0.95)")
-    for r, (count, max_tokens) in enumerate(cfg.extra_self_written, start=1):
+    for r, ((count, max_tokens), kept) in enumerate(
+            zip(cfg.extra_self_written, result.extra_rounds_kept), start=1):
         self_written += (f"; plus a round of {count} more self-written requests (seed "
                          f"{cfg.hyper.seed + r}, each begun with one of "
                          f"{len(REQUEST_OPENERS)} openers such as \"Explain\" or \"Write a "
-                         f"poem about\", repeats of earlier prompts dropped, answers of at "
-                         f"most {max_tokens} tokens, all for training)")
+                         f"poem about\"; {kept} kept, the others repeated earlier prompts; "
+                         f"answers of at most {max_tokens} tokens; all for training)")
     vocab_line = ("every id in the teacher's top-8 on the training answers; the head drafts "
                   "over the full vocabulary") if not result.draft_vocab_size else (
         f"the head's draft vocabulary: the {result.draft_vocab_size} most frequent answer "
@@ -369,7 +387,8 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
 - Prompts: excerpts of up to 40 words as chat requests ("Continue this text:",
   "Summarize:", "Explain:", "Rewrite this in simpler words:", "What is this text about?")
   or raw continuation{self_written}; the target's own greedy answers (at most
-  {cfg.max_answer_tokens} tokens) generated with the pdserve engine in float32.
+  {cfg.max_answer_tokens} tokens unless a round says otherwise) generated with the pdserve
+  engine in float32.
 - {result.num_train_sequences} training sequences ({result.num_train_tokens} tokens, prompt +
   answer); {result.num_held_out_sequences} held-out sequences from held-out files.
 
@@ -416,16 +435,17 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     if not train_seqs or not held_seqs:
         raise ValueError("not enough text for both training and held-out prompts")
     max_position = max(len(s.prompt_ids) + len(s.answer_ids)
-                       for s in sequences + [s for _, part in rounds for s in part]) + 8
+                       for s in sequences + [s for r in rounds for s in r.sequences]) + 8
     target = load_target_model(model_path, max_position, torch.float32, cfg.device)
-    log(f"target features for {len(train_seqs) + sum(len(p) for _, p in rounds)} training + "
+    log(f"target features for {len(train_seqs) + sum(len(r.kept) for r in rounds)} training + "
         f"{len(held_seqs)} held-out sequences")
     suffix = f".{len(train_seqs)}.features.pt"
     train_data = _features(target, train_seqs, stem.with_suffix(".train" + suffix), use_tqdm)
     held_data = _features(target, held_seqs, stem.with_suffix(".held" + suffix), use_tqdm)
-    for round_stem, part in rounds:
-        train_data += _features(target, part, round_stem.with_suffix(".features.pt"), use_tqdm)
-        train_seqs = train_seqs + part
+    for r in rounds:  # features of the whole round are cached, the kept ones trained on
+        feats = _features(target, r.sequences, r.stem.with_suffix(".features.pt"), use_tqdm)
+        train_data += [f for f, k in zip(feats, r.keep) if k]
+        train_seqs = train_seqs + r.kept
     draft_ids, coverage = None, 1.0
     vocab_size = target.cfg.vocab_size
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < vocab_size:
@@ -456,7 +476,8 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     result = TrainEagleResult(
         out, history, estimate, len(train_seqs), sum(len(d.token_ids) for d in train_data),
         len(held_seqs), time.perf_counter() - t0,
-        None if draft_ids is None else len(draft_ids), coverage, by_source)
+        None if draft_ids is None else len(draft_ids), coverage, by_source,
+        [len(r.kept) for r in rounds])
     provenance = {
         "trained_by": "pdserve train-eagle",
         "init_from": None if cfg.init_from is None else Path(cfg.init_from).name,
@@ -468,7 +489,8 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         "num_steps": history.num_steps,
         "loss_vocab_size": history.loss_vocab_size,
         "self_written_prompts": cfg.self_written_prompts,
-        "extra_self_written": [list(r) for r in cfg.extra_self_written],
+        "extra_self_written": [{"count": c, "max_answer_tokens": t, "kept": k} for (c, t), k
+                               in zip(cfg.extra_self_written, result.extra_rounds_kept)],
         "draft_vocab_size": None if draft_ids is None else len(draft_ids),
         "draft_vocab_answer_coverage": round(coverage, 4),
         "train_time_s": round(history.elapsed_s, 1),
