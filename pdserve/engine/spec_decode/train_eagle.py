@@ -24,11 +24,11 @@ from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.spec_decode.eagle import EagleConfig, EagleDraftModel, iter_checkpoint
 from pdserve.engine.spec_decode.eagle_acceptance import AcceptanceEstimate, estimate_acceptance
 from pdserve.engine.spec_decode.eagle_data import (
+    REQUEST_OPENERS,
     DistillSequence,
     PromptSpec,
     data_cache_key,
     generate_answers,
-    REQUEST_OPENERS,
     generate_self_written_prompts,
     load_prompt_specs,
     load_sequences,
@@ -71,8 +71,9 @@ class TrainEagleConfig:
             ``(count, max_answer_tokens)``: round ``r`` (from 1) samples with seed
             ``seed + r``, starts the requests with :data:`~.eagle_data.REQUEST_OPENERS`
             in turn, and drops requests that repeat an earlier prompt. Each round is
-            cached on its own, answers and target features, so adding one to an earlier
-            recipe computes only the new round.
+            cached on its own, answers and target features, so a round appended to an
+            earlier recipe is the only one computed (changing ``seed`` or inserting a round
+            before others shifts the later rounds' seeds).
         draft_vocab_size: size of the frequency-ranked draft vocabulary (FR-Spec, Zhao et
             al. 2025): the most frequent ids of the training answers; None or the target's
             vocabulary size to draft over every id.
