@@ -84,6 +84,16 @@ def _self_written_round(text: str) -> tuple[int, int | None]:
     return parsed
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says it or the
+    option is required."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and ("(default" in action.help or action.required):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
     from pdserve.engine.spec_decode.eagle_data import CorpusFetchError
     from pdserve.engine.spec_decode.train_eagle import (
@@ -105,8 +115,14 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
                                max_train_minutes=args.max_train_minutes, seed=args.seed),
     )
     try:
-        result = run_train_eagle(cfg, log=lambda line: print(line, file=sys.stderr))
+        result = run_train_eagle(cfg, log=lambda line: print(line, file=sys.stderr),
+                                 command=["pdserve", *args.argv])
     except CorpusFetchError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # writing the head or a cache file (disk full, permissions)
+        if isinstance(exc, FileNotFoundError):
+            raise
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 1
     print(f"EAGLE head written to {result.out}: {result.estimate.summary()}")
@@ -202,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pdserve", description=(
         "OpenAI-compatible LLM serving with disaggregated prefill and decode"),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     parser.add_argument("--log-level", default="WARNING",
                         help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -334,18 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_quantize_parser(sub)
     for p in sub.choices.values():
-        p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        p.formatter_class = _HelpFormatter
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except FileNotFoundError as exc:
-        print(f"pdserve: {exc}", file=sys.stderr)
+        print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)

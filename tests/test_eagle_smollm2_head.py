@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.loader import DEFAULT_MODEL, ModelNotFoundError, resolve_model
@@ -161,7 +162,13 @@ def test_train_eagle_runs_end_to_end_and_caches_each_self_written_round(
     assert head.cfg.draft_vocab_size == 64
     cached = sorted(f.name for f in data.iterdir())
     mtimes = {f.name: f.stat().st_mtime_ns for f in data.iterdir()}
+    assert provenance["command"] == ["pdserve", *argv, "--out", str(tmp_path / "head")]
     assert main([*argv, "--out", str(tmp_path / "again")]) == 0
     assert sorted(f.name for f in data.iterdir()) == cached
     assert {f.name: f.stat().st_mtime_ns for f in data.iterdir()} == mtimes
+    # the same seed gives the same head whether the data was generated or read from the cache
+    first = load_file(tmp_path / "head" / "model.safetensors")
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
 

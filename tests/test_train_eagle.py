@@ -120,6 +120,48 @@ def test_cli_bad_input_is_a_one_line_error(tiny_dir, tmp_path, capsys, argv, mes
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+def test_cli_refuses_an_out_folder_it_would_spoil_and_data_that_is_not_text(
+        tiny_dir, tmp_path, capsys):
+    """Before any work: an ``--out`` folder holding other files (a model, notes) is refused,
+    as is one under a file; ``--data`` that is a folder, not UTF-8 or binary is refused; a
+    head folder may be retrained in place. Nothing is written into a refused folder."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Caf\xe9 au lait. Cr\xe8me br\xfbl\xe9e.\n\nAnother paragraph here.".encode(
+        "latin-1"))
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"one two three\x00four\n\nfive six seven.")
+    cases = [
+        (["--out", str(notes)], "is a folder with other files in it"),
+        (["--out", str(tiny_dir)], "is a folder with other files in it"),  # a model folder
+        (["--out", str(a_file / "sub")], f"{str(a_file)!r} is a file"),
+        (["--out", str(tmp_path / "o"), "--data", str(tmp_path)], "is a folder, not a text file"),
+        (["--out", str(tmp_path / "o"), "--data", str(latin1)], "is not UTF-8 text (byte 3"),
+        (["--out", str(tmp_path / "o"), "--data", str(nul)], "holds NUL bytes"),
+        (["--out", str(tmp_path / "o"), "--init-from", str(tiny_dir)], "is not an EAGLE-1 head"),
+        (["--out", str(tmp_path / "o"), "--device", "cuda:x"], "device must be 'cpu' or"),
+    ]
+    for argv, message in cases:
+        code = main(["train-eagle", "--model", str(tiny_dir), *argv])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, argv
+        assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in notes.iterdir()) == ["todo.txt"]
+    assert not (tmp_path / "o").exists()
+    head = tmp_path / "head"
+    torch.manual_seed(0)
+    target = load_target_model(tiny_dir, 64)
+    save_head(new_head(target, "cpu", 64, PackedCausalAttention()), head, {})
+    (head / "notes.txt").write_text("a head folder with notes is still a head")
+    from pdserve.engine.spec_decode.train_eagle import TrainEagleConfig
+
+    TrainEagleConfig(model=str(tiny_dir), data="builtin", out=head)  # no error
+
+
 def test_cli_missing_model_is_a_one_line_error(tmp_path, capsys):
     code = main(["train-eagle", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()

@@ -60,7 +60,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, detokenize: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = False, detokenize: bool = True,
+                 desc: str = "generate") -> list[RequestOutput]:
         """Generate for every prompt, batched by the engine; results in prompt order.
 
         Args:
@@ -69,6 +70,7 @@ class LLM:
                 ``SamplingParams()``).
             use_tqdm: show a progress bar over finished requests.
             detokenize: fill ``CompletionOutput.text`` (loads the tokenizer).
+            desc: the progress bar's label.
 
         Raises:
             ValueError: bad prompt or parameters (see :meth:`LLMEngine.add_request`).
@@ -93,7 +95,7 @@ class LLM:
                 self.engine.abort_request(sub_id)
             raise
 
-        bar = tqdm(total=len(sub_ids), disable=not use_tqdm, desc="generate")
+        bar = tqdm(total=len(sub_ids), disable=not use_tqdm, desc=desc)
         while self.engine.has_unfinished_requests:
             for delta in self.engine.step():
                 i, j = sub_ids[delta.request_id]

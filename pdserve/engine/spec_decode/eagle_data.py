@@ -163,11 +163,21 @@ def read_text_file_excerpts(path: Path, max_words: int) -> list[str]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: the file holds no text.
+        ValueError: a folder, not UTF-8 text, or no text.
     """
+    if path.is_dir():
+        raise ValueError(f"--data {str(path)!r} is a folder, not a text file")
     if not path.is_file():
         raise FileNotFoundError(f"--data file {str(path)!r} does not exist")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--data file {str(path)!r} is not UTF-8 text (byte {exc.start}: "
+                         f"{raw[exc.start:exc.start + 1]!r}); convert it, e.g. with iconv"
+                         ) from None
+    if "\x00" in text:
+        raise ValueError(f"--data file {str(path)!r} holds NUL bytes; it is not a text file")
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
     if not paragraphs:
         raise ValueError(f"--data file {str(path)!r} holds no text")
@@ -263,20 +273,21 @@ def data_cache_key(model_path: Path, specs: Sequence[PromptSpec], max_answer_tok
 
 
 def generate_answers(llm, specs: Sequence[PromptSpec], max_answer_tokens: int,
-                     use_tqdm: bool = True) -> list[DistillSequence]:
+                     use_tqdm: bool = True, desc: str = "answers") -> list[DistillSequence]:
     """The target's greedy answers to ``specs``, generated in one batch by the engine.
 
     Args:
         llm: a :class:`pdserve.engine.LLM` of the target model.
         specs: the prompts.
         max_answer_tokens: most tokens per answer.
+        use_tqdm, desc: show a progress bar with this label.
     """
     from pdserve.engine.sampling_params import SamplingParams
 
     prompts = [llm.chat_prompt_ids([{"role": "user", "content": s.text}]) if s.is_chat
                else llm.tokenizer.encode(s.text) for s in specs]
     params = SamplingParams(temperature=0.0, max_tokens=max_answer_tokens)
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm, detokenize=False)
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm, detokenize=False, desc=desc)
     return [DistillSequence(list(p), list(o.outputs[0].token_ids), s.is_held_out)
             for p, o, s in zip(prompts, outputs, specs)]
 
@@ -331,7 +342,7 @@ REQUEST_OPENERS = (
 
 def generate_self_written_prompts(llm, count: int, seed: int, max_tokens: int = 64,
                                   use_tqdm: bool = True, openers: Sequence[str] = (),
-                                  ) -> list[str]:
+                                  desc: str = "write requests") -> list[str]:
     """``count`` distinct user requests sampled from the target itself (Magpie).
 
     The target continues its chat template's user-turn prefix with temperature 1 and
@@ -366,7 +377,7 @@ def generate_self_written_prompts(llm, count: int, seed: int, max_tokens: int = 
         which = [(drawn + i) % len(openers) for i in range(n)] if openers else [None] * n
         drawn += n
         outs = llm.generate([prefix + (starts[w] if w is not None else []) for w in which],
-                            params, use_tqdm=use_tqdm)
+                            params, use_tqdm=use_tqdm, desc=desc)
         for out, w in zip(outs, which):
             comp = out.outputs[0]
             text = (comp.text if w is None else llm.tokenizer.decode(

@@ -75,7 +75,7 @@ class TargetFeatures:
 @torch.inference_mode()
 def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[DistillSequence],
                             batch_tokens: int = 4096, use_tqdm: bool = True,
-                            ) -> list[TargetFeatures]:
+                            desc: str = "target features") -> list[TargetFeatures]:
     """Run the target over each prompt + answer (packed batches of about ``batch_tokens``).
 
     Args:
@@ -83,6 +83,7 @@ def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[Distil
             :func:`load_target_model`).
         sequences: prompts with the target's answers.
         batch_tokens: tokens per forward pass.
+        use_tqdm, desc: show a progress bar with this label.
 
     Returns:
         One :class:`TargetFeatures` per sequence, in order, on the CPU.
@@ -97,7 +98,7 @@ def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[Distil
                                for s in batches[-1]) >= batch_tokens:
             batches.append([])
         batches[-1].append(seq)
-    for batch in tqdm(batches, desc="target features", disable=not use_tqdm):
+    for batch in tqdm(batches, desc=desc, disable=not use_tqdm):
         ids = [s.prompt_ids + s.answer_ids for s in batch]
         flat = torch.tensor([t for seq_ids in ids for t in seq_ids], dtype=torch.int64,
                             device=device)

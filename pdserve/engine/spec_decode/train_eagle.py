@@ -14,6 +14,9 @@ Uncertainty"; data as in its self-distillation variant, sec. 5.3)::
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,14 +114,66 @@ class TrainEagleConfig:
                                  f"max_answer_tokens, got {count}:{max_tokens}")
         if self.max_train_tokens is not None and self.max_train_tokens <= 0:
             raise ValueError(f"max_train_tokens must be positive, got {self.max_train_tokens}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
-        if Path(self.out).exists() and not Path(self.out).is_dir():
-            raise ValueError(f"out {str(self.out)!r} exists and is not a folder")
-        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
-            raise FileNotFoundError(f"init_from {str(self.init_from)!r} is not an EAGLE head folder")
+        _check_out_folder(Path(self.out).expanduser())
+        if self.init_from is not None:
+            _check_init_head(Path(self.init_from).expanduser())
+
+
+#: Files ``train-eagle`` writes into ``--out``.
+OUT_FILES = ("config.json", "model.safetensors", "README.md")
+
+
+def _check_out_folder(out: Path) -> None:
+    """Refuse an ``out`` that cannot be written or whose files would be lost: a file, a path
+    under a file, an unwritable place, or a non-empty folder that is not an EAGLE head
+    (``train-eagle`` overwrites :data:`OUT_FILES`; a head folder may be retrained in place).
+
+    Raises:
+        ValueError: naming the problem.
+    """
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"out {str(out)!r} exists and is not a folder")
+        if any(out.iterdir()) and not _is_eagle_head(out):
+            raise ValueError(
+                f"out {str(out)!r} is a folder with other files in it (not an EAGLE head); "
+                f"train-eagle would overwrite its {', '.join(OUT_FILES)}: choose a new or "
+                "empty folder")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"out {str(out)!r} cannot be created: {str(parent)!r} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"out {str(out)!r} cannot be created: {str(parent)!r} is not writable")
+
+
+def _is_eagle_head(folder: Path) -> bool:
+    """Whether ``folder`` holds an EAGLE-1 head's config (one decoder layer; see
+    :class:`EagleConfig`)."""
+    try:
+        cfg = EagleConfig.from_dir(folder)
+    except (OSError, ValueError):
+        return False
+    return cfg.layout == "eagle1" and cfg.hf_config.get("num_hidden_layers", 1) == 1
+
+
+def _check_init_head(folder: Path) -> None:
+    """Refuse an ``init_from`` that is not an EAGLE-1 head before any work is done.
+
+    Raises:
+        FileNotFoundError: no folder with a config.json there.
+        ValueError: the config is not an EAGLE-1 head's (e.g. a full model's).
+    """
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"init_from {str(folder)!r} is not an EAGLE head folder")
+    if not _is_eagle_head(folder):
+        raise ValueError(f"init_from {str(folder)!r} is not an EAGLE-1 head (train-eagle "
+                         "continues from a head with one decoder layer, such as one it wrote)")
 
 
 @dataclass
@@ -238,7 +293,7 @@ def frequent_token_ids(sequences: list[DistillSequence], size: int, vocab_size: 
     return order, covered
 
 
-def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
+def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, log=print,
                        ) -> tuple[list[DistillSequence], Path, list[_Round]]:
     """The target's answers to the prompts, generated once and cached by content hash.
 
@@ -260,6 +315,10 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
         return llm
 
     specs = load_prompt_specs(cfg.data, cfg.num_prompts, cfg.num_held_out, cfg.hyper.seed)
+    num_held = sum(s.is_held_out for s in specs)
+    if (len(specs) - num_held, num_held) != (cfg.num_prompts, cfg.num_held_out):
+        log(f"warning: --data {cfg.data} gives {len(specs) - num_held} training and {num_held} "
+            f"held-out prompts (asked for {cfg.num_prompts} and {cfg.num_held_out})")
     stem = default_cache_dir() / "eagle-data" / data_cache_key(
         model_path, specs, cfg.max_answer_tokens, "float32")
     cache = stem.with_suffix(".jsonl")
@@ -267,7 +326,7 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
         sequences = load_sequences(cache)
     else:
         sequences = generate_answers(target_llm(), specs, cfg.max_answer_tokens,
-                                     use_tqdm=use_tqdm)
+                                     use_tqdm=use_tqdm, desc="answers to text prompts")
         save_sequences(cache, sequences)
     if cfg.self_written_prompts:
         count, held = cfg.self_written_prompts, max(1, cfg.self_written_prompts // 8)
@@ -279,9 +338,10 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
             written = load_sequences(sw_cache)
         else:
             texts = generate_self_written_prompts(target_llm(), count + held, cfg.hyper.seed,
-                                                  use_tqdm=use_tqdm)
+                                                  use_tqdm=use_tqdm, desc="write requests")
             written = generate_answers(target_llm(), self_written_specs(texts, held),
-                                       cfg.max_answer_tokens, use_tqdm=use_tqdm)
+                                       cfg.max_answer_tokens, use_tqdm=use_tqdm,
+                                       desc="answers to self-written requests")
             save_sequences(sw_cache, written)
         sequences = sequences + written
         stem = stem.with_name(f"{stem.name}-sw{key}")
@@ -299,9 +359,10 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool,
             written = load_sequences(round_cache)
         else:
             texts = generate_self_written_prompts(target_llm(), count, seed, use_tqdm=use_tqdm,
-                                                  openers=REQUEST_OPENERS)
+                                                  openers=REQUEST_OPENERS,
+                                                  desc=f"round {r}: write requests")
             written = generate_answers(target_llm(), self_written_specs(texts, 0), max_tokens,
-                                       use_tqdm=use_tqdm)
+                                       use_tqdm=use_tqdm, desc=f"round {r}: answers")
             save_sequences(round_cache, written)
         keep = [tuple(s.prompt_ids) not in seen for s in written]
         seen.update(tuple(s.prompt_ids) for s in written)
@@ -324,11 +385,11 @@ class _Round:
 
 
 def _features(target, sequences: list[DistillSequence], cache: Path, use_tqdm: bool,
-              ) -> list[TargetFeatures]:
+              desc: str) -> list[TargetFeatures]:
     """:func:`compute_target_features`, cached in ``cache`` (a torch file) across runs."""
     if cache.is_file():
         return [TargetFeatures(**d) for d in torch.load(cache, weights_only=True)]
-    data = compute_target_features(target, sequences, use_tqdm=use_tqdm)
+    data = compute_target_features(target, sequences, use_tqdm=use_tqdm, desc=desc)
     tmp = cache.with_suffix(".tmp")
     torch.save([asdict(d) for d in data], tmp)
     tmp.replace(cache)
@@ -355,6 +416,10 @@ def write_readme(out: Path, result: TrainEagleResult, cfg: TrainEagleConfig,
     est, hist = result.estimate, result.history
     per_pos = ", ".join(f"{r:.3f}" for r in est.acceptance_rates)
     tail = hist.losses[-20:] or [float("nan")]
+    held_from = "from held-out files" if cfg.data == "builtin" else \
+        "from the last tenth of the file"
+    if cfg.self_written_prompts:
+        held_from += " and held-out self-written requests"
     self_written = "" if not cfg.self_written_prompts else (
         f"; plus {cfg.self_written_prompts} (+ {max(1, cfg.self_written_prompts // 8)} "
         "held out) chat requests the target wrote itself from its bare user-turn prefix "
@@ -391,7 +456,7 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
   {cfg.max_answer_tokens} tokens unless a round says otherwise) generated with the pdserve
   engine in float32.
 - {result.num_train_sequences} training sequences ({result.num_train_tokens} tokens, prompt +
-  answer); {result.num_held_out_sequences} held-out sequences from held-out files.
+  answer); {result.num_held_out_sequences} held-out sequences ({held_from}).
 
 ## Training
 - Loss: SmoothL1(feature) + {cfg.hyper.cls_weight} x cross-entropy against the target's
@@ -404,7 +469,7 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
   seed {cfg.hyper.seed}, device {cfg.device}.
 - {hist.num_steps} steps, {hist.num_tokens} head tokens, {hist.elapsed_s / 60:.1f} min
   training ({result.elapsed_s / 60:.1f} min in all, shared 2-core CPU).
-- Loss first step {hist.losses[0]:.4f}, mean of the last 20 steps {sum(tail) / len(tail):.4f}
+- Loss first step {hist.losses[0]:.4f}, mean of the last {len(tail)} steps {sum(tail) / len(tail):.4f}
   (regression {hist.reg_losses[-1]:.4f}, classification {hist.cls_losses[-1]:.4f} at the end).
 
 ## Held-out acceptance estimate (greedy chain drafting, k = {est.num_speculative_tokens})
@@ -416,8 +481,10 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
 
 
 def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
-                    ) -> TrainEagleResult:
+                    command: list[str] | None = None) -> TrainEagleResult:
     """Run the whole pipeline; see the module docstring.
+
+    ``command`` (the CLI's argv, recorded in the head's provenance) says how to rerun it.
 
     Raises:
         FileNotFoundError: the model or data file does not exist.
@@ -430,7 +497,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     t0 = time.perf_counter()
     model_path = resolve_model(cfg.model)
     torch.manual_seed(cfg.hyper.seed)
-    sequences, stem, rounds = _self_distill_data(cfg, model_path, use_tqdm)
+    sequences, stem, rounds = _self_distill_data(cfg, model_path, use_tqdm, log)
     train_seqs = _cap_tokens([s for s in sequences if not s.is_held_out], cfg.max_train_tokens)
     held_seqs = [s for s in sequences if s.is_held_out]
     if not train_seqs or not held_seqs:
@@ -441,10 +508,13 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     log(f"target features for {len(train_seqs) + sum(len(r.kept) for r in rounds)} training + "
         f"{len(held_seqs)} held-out sequences")
     suffix = f".{len(train_seqs)}.features.pt"
-    train_data = _features(target, train_seqs, stem.with_suffix(".train" + suffix), use_tqdm)
-    held_data = _features(target, held_seqs, stem.with_suffix(".held" + suffix), use_tqdm)
-    for r in rounds:  # features of the whole round are cached, the kept ones trained on
-        feats = _features(target, r.sequences, r.stem.with_suffix(".features.pt"), use_tqdm)
+    train_data = _features(target, train_seqs, stem.with_suffix(".train" + suffix), use_tqdm,
+                           "target features: training")
+    held_data = _features(target, held_seqs, stem.with_suffix(".held" + suffix), use_tqdm,
+                          "target features: held out")
+    for i, r in enumerate(rounds, start=1):  # a round's features cached, kept ones trained on
+        feats = _features(target, r.sequences, r.stem.with_suffix(".features.pt"), use_tqdm,
+                          f"target features: round {i}")
         train_data += [f for f, k in zip(feats, r.keep) if k]
         train_seqs = train_seqs + r.kept
     draft_ids, coverage = None, 1.0
@@ -453,6 +523,8 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         draft_ids, coverage = frequent_token_ids(train_seqs, cfg.draft_vocab_size, vocab_size)
         log(f"draft vocabulary: {cfg.draft_vocab_size} most frequent ids cover "
             f"{coverage:.2%} of the training answers' tokens")
+    # the head's init and the batch order do not depend on whether data came from the cache
+    torch.manual_seed(cfg.hyper.seed)
     head = new_head(target, cfg.device, max_position, PackedCausalAttention(), draft_ids)
     if cfg.init_from is not None:
         head.load_weights(iter_checkpoint(Path(cfg.init_from)), require_vocab_map=False)
@@ -481,9 +553,16 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         [len(r.kept) for r in rounds])
     provenance = {
         "trained_by": "pdserve train-eagle",
-        "init_from": None if cfg.init_from is None else Path(cfg.init_from).name,
+        "command": command,
+        "init_from": (None if cfg.init_from is None
+                      else str(Path(cfg.init_from).expanduser().resolve())),
         "target": model_path.name,
         "data": cfg.data,
+        "num_prompts": cfg.num_prompts,
+        "num_held_out": cfg.num_held_out,
+        "max_answer_tokens": cfg.max_answer_tokens,
+        "max_train_tokens": cfg.max_train_tokens,
+        "device": cfg.device,
         "num_train_sequences": result.num_train_sequences,
         "num_train_tokens": result.num_train_tokens,
         "hyperparameters": asdict(cfg.hyper),
