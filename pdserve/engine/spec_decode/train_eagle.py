@@ -140,8 +140,8 @@ def _check_out_folder(out: Path) -> None:
         if any(out.iterdir()) and not _is_eagle_head(out):
             raise ValueError(
                 f"out {str(out)!r} is a folder with other files in it (not an EAGLE head); "
-                f"train-eagle would overwrite its {', '.join(OUT_FILES)}: choose a new or "
-                "empty folder")
+                f"train-eagle writes {', '.join(OUT_FILES)} there: choose a new or empty "
+                "folder")
     parent = out
     while not parent.exists():
         parent = parent.parent
