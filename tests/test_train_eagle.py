@@ -133,12 +133,17 @@ def test_cli_refuses_an_out_folder_it_would_spoil_and_data_that_is_not_text(
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("Caf\xe9 au lait. Cr\xe8me br\xfbl\xe9e.\n\nAnother paragraph here.".encode(
         "latin-1"))
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
     nul = tmp_path / "nul.txt"
     nul.write_bytes(b"one two three\x00four\n\nfive six seven.")
     cases = [
         (["--out", str(notes)], "is a folder with other files in it"),
         (["--out", str(tiny_dir)], "is a folder with other files in it"),  # a model folder
         (["--out", str(a_file / "sub")], f"{str(a_file)!r} is a file"),
+        (["--out", str(dangling)], "is a symbolic link to nothing"),
+        (["--out", ""], "out must name a folder"),
+        (["--out", "/proc/pdserve-test/head"], "cannot be written"),
         (["--out", str(tmp_path / "o"), "--data", str(tmp_path)], "is a folder, not a text file"),
         (["--out", str(tmp_path / "o"), "--data", str(latin1)], "is not UTF-8 text (byte 3"),
         (["--out", str(tmp_path / "o"), "--data", str(nul)], "holds NUL bytes"),

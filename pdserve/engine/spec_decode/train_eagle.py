@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -117,6 +118,8 @@ class TrainEagleConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if not str(self.out).strip():
+            raise ValueError("out must name a folder, got an empty string")
         _check_out_folder(Path(self.out).expanduser())
         if self.init_from is not None:
             _check_init_head(Path(self.init_from).expanduser())
@@ -134,6 +137,8 @@ def _check_out_folder(out: Path) -> None:
     Raises:
         ValueError: naming the problem.
     """
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"out {str(out)!r} is a symbolic link to nothing ({os.readlink(out)!r})")
     if out.exists():
         if not out.is_dir():
             raise ValueError(f"out {str(out)!r} exists and is not a folder")
@@ -149,6 +154,29 @@ def _check_out_folder(out: Path) -> None:
         raise ValueError(f"out {str(out)!r} cannot be created: {str(parent)!r} is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"out {str(out)!r} cannot be created: {str(parent)!r} is not writable")
+
+
+def _probe_out_folder(out: Path) -> None:
+    """Show that ``out`` can be created and written to before any work is done (permission
+    bits do not stop root; some file systems refuse new folders): create it and a file in it,
+    then remove what the probe created.
+
+    Raises:
+        ValueError: the folder cannot be created or written to.
+    """
+    created = [p for p in [out, *out.parents] if not os.path.lexists(p)]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ValueError(f"out {str(out)!r} cannot be written: {exc.strerror or exc}") from None
+    finally:
+        for folder in created:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
 
 
 def _is_eagle_head(folder: Path) -> bool:
@@ -494,6 +522,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     from pdserve.engine.spec_decode.packed_attention import PackedCausalAttention
 
     t0 = time.perf_counter()
+    _probe_out_folder(Path(cfg.out).expanduser())
     model_path = resolve_model(cfg.model)
     torch.manual_seed(cfg.hyper.seed)
     sequences, stem, rounds = _self_distill_data(cfg, model_path, use_tqdm, log)
