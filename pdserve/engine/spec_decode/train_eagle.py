@@ -515,7 +515,8 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
 
     Raises:
         FileNotFoundError: the model or data file does not exist.
-        ValueError: bad data (empty file), or a model the engine cannot serve.
+        ValueError: bad data (empty file), a model the engine cannot serve, or an ``out``
+            folder that cannot be created or written to (probed before any work).
         CorpusFetchError: the Brown corpus could not be fetched.
     """
     from pdserve.engine.loader.default_model import resolve_model
