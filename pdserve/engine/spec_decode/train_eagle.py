@@ -131,7 +131,7 @@ OUT_FILES = ("config.json", "model.safetensors", "README.md")
 
 def _check_out_folder(out: Path) -> None:
     """Refuse an ``out`` that cannot be written or whose files would be lost: a file, a path
-    under a file, an unwritable place, or a non-empty folder that is not an EAGLE head
+    under a file, or a non-empty folder that is not an EAGLE head
     (``train-eagle`` overwrites :data:`OUT_FILES`; a head folder may be retrained in place).
 
     Raises:
@@ -152,8 +152,7 @@ def _check_out_folder(out: Path) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"out {str(out)!r} cannot be created: {str(parent)!r} is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"out {str(out)!r} cannot be created: {str(parent)!r} is not writable")
+    # whether it can really be written is probed when the run starts (_probe_out_folder)
 
 
 def _probe_out_folder(out: Path) -> None:
