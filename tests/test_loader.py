@@ -7,7 +7,10 @@ files written here with gguf.GGUFWriter from known tensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -170,6 +173,7 @@ def test_converted_folder_records_its_source(converted_dir, default_gguf):
     assert marker["source_path"] == str(default_gguf.resolve())
     assert marker["source_size_bytes"] == default_gguf.stat().st_size
     assert marker["source_mtime_ns"] == default_gguf.stat().st_mtime_ns
+    assert marker["source_sha256"] == hashlib.sha256(default_gguf.read_bytes()).hexdigest()
 
 
 def test_pull_reuses_a_fresh_conversion(cache_env):
@@ -190,6 +194,26 @@ def test_resolve_default_falls_back_to_gguf_when_conversion_is_stale(
     other_gguf.write_bytes(b"GGUF")
     monkeypatch.setattr(default_model_module, "find_default_gguf", lambda: other_gguf)
     assert resolve_model(None) == other_gguf
+
+
+def test_conversion_stays_fresh_when_the_same_gguf_is_reinstalled_elsewhere(
+    cache_env, default_gguf, tmp_path, monkeypatch
+):
+    # a reinstall or a moved environment: same bytes, another path and modification time
+    copy = tmp_path / "site-packages" / default_gguf.name
+    copy.parent.mkdir()
+    shutil.copyfile(default_gguf, copy)
+    os.utime(copy, ns=(default_gguf.stat().st_atime_ns, default_gguf.stat().st_mtime_ns + 10**9))
+    monkeypatch.setattr(default_model_module, "find_default_gguf", lambda: copy)
+    assert resolve_model(None) == cache_env
+    # same size, one byte changed: another model, so the conversion is stale
+    with copy.open("r+b") as f:
+        f.seek(copy.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert copy.stat().st_size == default_gguf.stat().st_size
+    assert resolve_model(None) == copy
 
 
 def test_resolve_default_uses_gguf_when_not_converted(default_gguf, tmp_path, monkeypatch):
