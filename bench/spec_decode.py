@@ -39,9 +39,14 @@ QUESTIONS = [
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", default="none,ngram,eagle,draft")
-    p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--methods", default="none,ngram,eagle,draft",
+                   help="comma-separated: none, ngram, eagle, draft (the target drafting for "
+                        "itself); NAME:C sets a model drafter's draft confidence to C "
+                        "(default: %(default)s)")
+    p.add_argument("--batch-sizes", default="1,16",
+                   help="comma-separated batch sizes (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=64,
+                   help="most tokens per answer (default: %(default)s)")
     p.add_argument("--disable-by-batch-size", type=int, default=0,
                    help="--speculative-disable-by-batch-size for every proposer (0 = never)")
     p.add_argument("--rounds", type=int, default=1,
@@ -52,14 +57,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stop-at-eos", action="store_true",
                    help="end answers at EOS (tok/s over the tokens really generated; the "
                         "default ignores EOS so every method emits the same count)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="k, drafts per verification pass (default: %(default)s)")
     p.add_argument("--draft-confidence", type=float, default=0.0,
                    help="--speculative-draft-confidence for the model drafters")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16",
+                   help="target model dtype (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch CPU threads (default: %(default)s)")
     p.add_argument("--eagle-model", default="default",
                    help="EAGLE head folder ('default': the shipped head)")
-    p.add_argument("--prompt-set", choices=("questions", "brown-heldout"), default="questions")
+    p.add_argument("--prompt-set", choices=("questions", "brown-heldout"), default="questions",
+                   help="8 generic questions, or Brown-corpus prompts held out of the "
+                        "shipped head's training (default: %(default)s)")
     return p.parse_args()
 
 
