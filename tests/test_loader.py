@@ -168,6 +168,15 @@ def test_converted_folder_tokenizer_matches_gguf_tokenizer(converted_dir, refere
     assert tokenizer.eos_token == reference_tokenizer.eos_token
 
 
+def test_converted_folder_is_readable_by_other_users(converted_dir):
+    # safetensors writes 0600 and mkdtemp makes 0700: a shared cache needs the usual modes
+    umask = os.umask(0)
+    os.umask(umask)
+    assert converted_dir.stat().st_mode & 0o777 == 0o777 & ~umask
+    for file in converted_dir.iterdir():
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file.name
+
+
 def test_converted_folder_records_its_source(converted_dir, default_gguf):
     marker = json.loads((converted_dir / SOURCE_MARKER_NAME).read_text())
     assert marker["source_path"] == str(default_gguf.resolve())

@@ -10,6 +10,7 @@ bf16.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -90,6 +91,10 @@ def test_gguf_keeps_q4_1_blocks_packed(held_ids):
 def _quantize(out_dir, *flags: str) -> dict:
     subprocess.run([sys.executable, "-m", "pdserve.cli", "quantize", "--out", str(out_dir),
                     *flags], check=True, timeout=1500)
+    # readable by other users, like the tokenizer files beside it (safetensors writes 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     return json.loads((out_dir / "quantize_report.json").read_text())
 
 

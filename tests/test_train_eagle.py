@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -63,6 +64,9 @@ def test_saved_head_reloads_with_the_same_outputs(distilled, tmp_path):
     save_head(head, tmp_path, {"note": "test"})
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["eagle_layout"] == "eagle1" and config["pdserve_provenance"] == {"note": "test"}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
 
     loaded = load_eagle_model(tmp_path, target, TorchAttentionBackend(CPU), 64, torch.float32)
     for name, value in loaded.state_dict().items():  # saved in bf16

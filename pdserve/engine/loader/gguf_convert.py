@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-
 from pdserve.engine.loader.checkpoint import load_checkpoint, load_tokenizer
+from pdserve.engine.loader.safetensors_loader import make_folder_shareable, save_safetensors
 
 SOURCE_MARKER_NAME = "pdserve_source.json"
 MARKER_VERSION = 1
@@ -118,7 +117,7 @@ def convert_gguf_to_hf_folder(gguf_path: Path, out_dir: Path, progress: bool = T
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         tensors = dict(checkpoint.iter_weights(torch.float32, progress=progress))
-        save_file(tensors, tmp_dir / "model.safetensors", metadata={"format": "pt"})
+        save_safetensors(tensors, tmp_dir / "model.safetensors", metadata={"format": "pt"})
         del tensors
         _write_json(tmp_dir / "config.json", checkpoint.hf_config)
         token_ids = {
@@ -129,6 +128,7 @@ def convert_gguf_to_hf_folder(gguf_path: Path, out_dir: Path, progress: bool = T
         _write_json(tmp_dir / "generation_config.json", token_ids)
         tokenizer.save_pretrained(str(tmp_dir))
         _write_json(tmp_dir / SOURCE_MARKER_NAME, fingerprint)
+        make_folder_shareable(tmp_dir)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp_dir, out_dir)

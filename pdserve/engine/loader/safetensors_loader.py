@@ -1,4 +1,4 @@
-"""Read a Hugging Face checkpoint folder (``config.json`` + ``*.safetensors``).
+"""Read (and write) a Hugging Face checkpoint folder (``config.json`` + ``*.safetensors``).
 
 Both layouts ``save_pretrained`` produces are supported::
 
@@ -14,6 +14,7 @@ from the memory-mapped shards one tensor at a time during iteration.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,35 @@ import torch
 from safetensors import safe_open
 
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path,
+                     metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, then the mode a plain ``open(path, "w")`` gives.
+
+    safetensors creates its files 0600, which hides a shared model cache or a trained head
+    from every other user (a server running as another account, a container); this sets
+    0666 less the process umask, like the JSON and tokenizer files written beside it.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def make_folder_shareable(folder: Path) -> None:
+    """Give a folder made by ``tempfile.mkdtemp`` (0700) the mode ``mkdir`` gives (0777 less
+    the umask), before it is renamed into place."""
+    os.chmod(folder, 0o777 & ~_umask())
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
+from pdserve.engine.loader.safetensors_loader import save_safetensors
 from pdserve.engine.quantization.int_layouts import pack_awq, pack_compressed_tensors, pack_gptq
 from pdserve.engine.quantization.int_weight import IntWeight
 from pdserve.engine.quantization.loading import FUSED_SHARDS
@@ -117,6 +117,6 @@ def write_checkpoint(out_dir: Path, hf_config: dict[str, Any], tensors: dict[str
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     config["quantization_config"] = qconfig
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save_pretrained(str(out_dir))
     (out_dir / "quantize_report.json").write_text(json.dumps(report, indent=2))

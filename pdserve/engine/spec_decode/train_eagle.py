@@ -271,10 +271,10 @@ def save_head(head: EagleDraftModel, out: Path, provenance: dict) -> None:
 
     The folder loads with :func:`pdserve.engine.spec_decode.eagle.load_eagle_model`.
     """
-    from safetensors.torch import save_file
+    from pdserve.engine.loader.safetensors_loader import save_safetensors
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file(head_state_dict(head), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(head_state_dict(head), out / "model.safetensors", metadata={"format": "pt"})
     config = head_config_dict(head.target.cfg.hf_config, provenance, head.cfg.draft_vocab_size)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
