@@ -59,9 +59,9 @@ def test_shipped_head_drafts_over_a_frequency_ranked_vocabulary(target):
 
 
 #: Chat requests written for this test (not from the training data) and the acceptance
-#: length the shipped head must keep on them (k = 4: the head of session 7 1.79 on 128-token
-#: answers, per position 0.45 0.43 0.52 0.54; earlier heads 1.66, 1.55-1.57, 1.50 and 1.2; a
-#: random head ~1.0). The issue's target is 2.5 (held out: 2.36): not met.
+#: length the shipped head must keep on them (k = 4: the head of session 8 1.85 on 128-token
+#: answers, per position 0.47 0.46 0.48 0.54; earlier heads 1.79, 1.66, 1.55-1.57, 1.50 and
+#: 1.2; a random head ~1.0). The issue's target is 2.5 (held out: 2.42): not met.
 FRESH_REQUESTS = (
     "Explain why the sky is blue.", "Write a short story about a lighthouse keeper.",
     "What are three good habits for a healthy sleep?", "How does a bicycle stay upright?",
@@ -69,7 +69,7 @@ FRESH_REQUESTS = (
     "and climate?", "Write a polite email asking for a meeting next week.",
     "Why do cats purr?",
 )
-MIN_ACCEPTANCE_LENGTH = 1.5
+MIN_ACCEPTANCE_LENGTH = 1.6
 
 
 @pytest.mark.slow
