@@ -10,7 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
-from pdserve.engine.loader import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from pdserve.engine.loader import (
+    DEFAULT_MODEL,
+    ModelNotFoundError,
+    load_tokenizer,
+    resolve_model,
+)
 from pdserve.engine.spec_decode.eagle import bundled_head_dir, load_eagle_model
 
 CPU = torch.device("cpu")
@@ -171,4 +176,19 @@ def test_train_eagle_runs_end_to_end_and_caches_each_self_written_round(
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert first.keys() == again.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
+    # a run stopped while answering a round keeps the requests already written: with the
+    # answers gone, the next run answers the cached requests (one edited here to show it)
+    requests_file = round_file.with_suffix(".requests.json")
+    requests = json.loads(requests_file.read_text())
+    assert len(requests) == 6
+    requests[0] = "Name three rivers in Europe."
+    requests_file.write_text(json.dumps(requests))
+    round_file.unlink()
+    round_file.with_suffix("").with_suffix(".features.pt").unlink()
+    assert main([*argv, "--out", str(tmp_path / "resumed")]) == 0
+    resumed = load_sequences(round_file)
+    assert len(resumed) == 6 and [s.prompt_ids for s in resumed[1:]] == [
+        s.prompt_ids for s in extra[1:]]
+    tokenizer = load_tokenizer(default_model_path)
+    assert "Name three rivers in Europe." in tokenizer.decode(resumed[0].prompt_ids)
 

@@ -363,8 +363,9 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
         if sw_cache.is_file():
             written = load_sequences(sw_cache)
         else:
-            texts = generate_self_written_prompts(target_llm(), count + held, cfg.hyper.seed,
-                                                  use_tqdm=use_tqdm, desc="write requests")
+            texts = _cached_requests(sw_cache, lambda: generate_self_written_prompts(
+                target_llm(), count + held, cfg.hyper.seed, use_tqdm=use_tqdm,
+                desc="write requests"))
             written = generate_answers(target_llm(), self_written_specs(texts, held),
                                        cfg.max_answer_tokens, use_tqdm=use_tqdm,
                                        desc="answers to self-written requests")
@@ -384,9 +385,9 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
         if round_cache.is_file():
             written = load_sequences(round_cache)
         else:
-            texts = generate_self_written_prompts(target_llm(), count, seed, use_tqdm=use_tqdm,
-                                                  openers=REQUEST_OPENERS,
-                                                  desc=f"round {r}: write requests")
+            texts = _cached_requests(round_cache, lambda: generate_self_written_prompts(
+                target_llm(), count, seed, use_tqdm=use_tqdm, openers=REQUEST_OPENERS,
+                desc=f"round {r}: write requests"))
             written = generate_answers(target_llm(), self_written_specs(texts, 0), max_tokens,
                                        use_tqdm=use_tqdm, desc=f"round {r}: answers")
             save_sequences(round_cache, written)
@@ -394,6 +395,20 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
         seen.update(tuple(s.prompt_ids) for s in written)
         rounds.append(_Round(round_cache.with_suffix(""), written, keep))
     return sequences, stem, rounds
+
+
+def _cached_requests(answers_cache: Path, write) -> list[str]:
+    """Self-written requests, kept beside ``answers_cache`` (``*.requests.json``) as soon as
+    they are written, so that a run stopped while answering them (the longer half of a
+    round) does not write them again; ``write()`` makes them on a miss."""
+    cache = answers_cache.with_suffix(".requests.json")
+    if cache.is_file():
+        return json.loads(cache.read_text(encoding="utf-8"))
+    texts = write()
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(texts, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, cache)
+    return texts
 
 
 @dataclass
