@@ -223,6 +223,9 @@ def test_conversion_stays_fresh_when_the_same_gguf_is_reinstalled_elsewhere(
         f.write(bytes([byte[0] ^ 0xFF]))
     assert copy.stat().st_size == default_gguf.stat().st_size
     assert resolve_model(None) == copy
+    from pdserve.engine.loader.gguf_convert import is_converted_folder_fresh
+
+    assert not is_converted_folder_fresh(cache_env, tmp_path / "gone.gguf")
 
 
 def test_resolve_default_uses_gguf_when_not_converted(default_gguf, tmp_path, monkeypatch):

@@ -82,7 +82,10 @@ def is_converted_folder_fresh(folder: Path, gguf_path: Path | None) -> bool:
         return False
     if gguf_path is None:
         return True
-    stat = gguf_path.stat()
+    try:
+        stat = gguf_path.stat()
+    except OSError:  # removed since it was found: nothing to compare with
+        return False
     if marker.get("source_size_bytes") != stat.st_size:
         return False
     if (marker.get("source_path"), marker.get("source_mtime_ns")) == (

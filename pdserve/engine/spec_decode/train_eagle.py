@@ -363,9 +363,9 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
         if sw_cache.is_file():
             written = load_sequences(sw_cache)
         else:
-            texts = _cached_requests(sw_cache, lambda: generate_self_written_prompts(
-                target_llm(), count + held, cfg.hyper.seed, use_tqdm=use_tqdm,
-                desc="write requests"))
+            texts = _cached_requests(sw_cache, count + held, lambda: (
+                generate_self_written_prompts(target_llm(), count + held, cfg.hyper.seed,
+                                              use_tqdm=use_tqdm, desc="write requests")), log)
             written = generate_answers(target_llm(), self_written_specs(texts, held),
                                        cfg.max_answer_tokens, use_tqdm=use_tqdm,
                                        desc="answers to self-written requests")
@@ -385,9 +385,9 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
         if round_cache.is_file():
             written = load_sequences(round_cache)
         else:
-            texts = _cached_requests(round_cache, lambda: generate_self_written_prompts(
+            texts = _cached_requests(round_cache, count, lambda: generate_self_written_prompts(
                 target_llm(), count, seed, use_tqdm=use_tqdm, openers=REQUEST_OPENERS,
-                desc=f"round {r}: write requests"))
+                desc=f"round {r}: write requests"), log)
             written = generate_answers(target_llm(), self_written_specs(texts, 0), max_tokens,
                                        use_tqdm=use_tqdm, desc=f"round {r}: answers")
             save_sequences(round_cache, written)
@@ -397,13 +397,22 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
     return sequences, stem, rounds
 
 
-def _cached_requests(answers_cache: Path, write) -> list[str]:
+def _cached_requests(answers_cache: Path, count: int, write, log=print) -> list[str]:
     """Self-written requests, kept beside ``answers_cache`` (``*.requests.json``) as soon as
     they are written, so that a run stopped while answering them (the longer half of a
-    round) does not write them again; ``write()`` makes them on a miss."""
+    round) does not write them again; ``write()`` makes them on a miss. A file that is not
+    a JSON list of 1 to ``count`` non-empty strings (the writer may find fewer distinct ones)
+    is reported by name and written again."""
     cache = answers_cache.with_suffix(".requests.json")
     if cache.is_file():
-        return json.loads(cache.read_text(encoding="utf-8"))
+        try:
+            texts = json.loads(cache.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            texts = None
+        if (isinstance(texts, list) and 0 < len(texts) <= count
+                and all(isinstance(t, str) and t for t in texts)):
+            return texts
+        log(f"warning: {cache} is not a list of 1 to {count} requests; writing them again")
     texts = write()
     tmp = cache.with_suffix(".tmp")
     tmp.write_text(json.dumps(texts, ensure_ascii=False), encoding="utf-8")
