@@ -97,13 +97,22 @@ def metrics(server) -> dict[str, float]:
     return out
 
 
-def wait_idle(server, timeout_s: float = 3.0) -> dict[str, float]:
-    """Metrics once no request runs and no KV block is used (or the last reading)."""
+def wait_idle(server, timeout_s: float = 10.0) -> dict[str, float]:
+    """Metrics once no request runs and no KV block is used, on the server and on every
+    worker (or the last reading at ``timeout_s``).
+
+    Worker gauges come from heartbeats (one a second), so a prefill worker's last report
+    can show a prompt's blocks for up to a heartbeat after the decode side is idle; a leak
+    stays nonzero past the timeout and fails the caller's assertion.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         m = metrics(server)
         idle = (m.get("pdserve:num_requests_running{}") == 0
-                and m.get("pdserve:kv_cache_usage_perc{}") == 0)
+                and m.get("pdserve:kv_cache_usage_perc{}") == 0
+                and all(v == 0 for k, v in m.items()
+                        if k.startswith(("pdserve:worker_kv_cache_usage_perc",
+                                         "pdserve:worker_num_requests_running"))))
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
