@@ -112,6 +112,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
                                  for n, t in args.extra_self_written or ()),
         hyper=TrainHyperParams(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                                unroll_steps=args.unroll_steps,
+                               cls_weight=args.classification_weight,
+                               reg_weight=args.regression_weight,
                                max_train_minutes=args.max_train_minutes, seed=args.seed),
     )
     try:
@@ -324,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per training batch")
     p.add_argument("--unroll-steps", type=int, default=1,
                    help="train on the head's own predicted features for this many chained steps")
+    p.add_argument("--classification-weight", type=float, default=0.1,
+                   help="weight of the next-token cross-entropy against the target's top-8 "
+                        "distribution")
+    p.add_argument("--regression-weight", type=float, default=1.0,
+                   help="weight of the SmoothL1 loss between predicted and target features "
+                        "(0: tokens only, EAGLE-3's training; use with --unroll-steps >= 2)")
     p.add_argument("--init-from", default=None,
                    help="EAGLE-1 head folder to continue training from (default: random init)")
     p.add_argument("--max-train-minutes", type=float, default=None,

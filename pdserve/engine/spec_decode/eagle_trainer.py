@@ -3,9 +3,9 @@
 Follows Li et al. 2024 ("EAGLE: Speculative Sampling Requires Rethinking Feature
 Uncertainty", sec. 4): from ``(x_{i+1}, f_i + noise)`` the head predicts ``f̂_{i+1}``;
 
-    L = SmoothL1(f̂_{i+1}, f_{i+1})  +  w_cls * CE(p_{i+1}, softmax(lm_head(f̂_{i+1})))
+    L = w_reg * SmoothL1(f̂_{i+1}, f_{i+1})  +  w_cls * CE(p_{i+1}, softmax(lm_head(f̂_{i+1})))
 
-with ``w_cls = 0.1`` and uniform feature noise ``U(-0.1, 0.1)``, AdamW, gradient clipping
+with ``w_reg = 1``, ``w_cls = 0.1`` and uniform feature noise ``U(-0.1, 0.1)``, AdamW, gradient clipping
 0.5. Only the head is trained; the target's embedding and LM head are frozen and shared.
 Losses count answer positions only (``i >= P - 1``: where the head drafts in serving).
 
@@ -16,7 +16,9 @@ which cuts the cost of the LM head in training several times.
 Optionally (``unroll_steps > 1``) each batch is also run again on the head's own
 predictions, as in EAGLE-3's training-time test (Li et al. 2025, sec. 3.2): step ``j``
 feeds ``f̂`` of step ``j - 1`` instead of ``f``, so the head learns to chain on its own
-features. Losses of all steps are averaged.
+features. Losses of all steps are averaged. With ``w_reg = 0`` and unrolled steps this is
+EAGLE-3's other change (sec. 3.1): no constraint that ``f̂`` be the target's feature, only
+that the tokens drawn from it be right, on the head's own chained features.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class TrainHyperParams:
     lr: float = 5e-4
     batch_tokens: int = 2048
     cls_weight: float = 0.1
+    reg_weight: float = 1.0
     feature_noise: float = 0.1
     grad_clip: float = 0.5
     warmup_fraction: float = 0.05
@@ -63,8 +66,12 @@ class TrainHyperParams:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.batch_tokens <= 0:
             raise ValueError(f"batch_tokens must be positive, got {self.batch_tokens}")
-        if self.cls_weight < 0 or self.feature_noise < 0 or self.grad_clip <= 0:
-            raise ValueError("cls_weight and feature_noise must be >= 0, grad_clip > 0")
+        if self.cls_weight < 0 or self.reg_weight < 0 or self.feature_noise < 0 \
+                or self.grad_clip <= 0:
+            raise ValueError("cls_weight, reg_weight and feature_noise must be >= 0, "
+                             "grad_clip > 0")
+        if self.cls_weight == 0 and self.reg_weight == 0:
+            raise ValueError("cls_weight and reg_weight are both 0: nothing to train on")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if self.unroll_steps < 1:
@@ -212,7 +219,7 @@ def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: Tra
             teacher_ids = vocab.index[teacher_ids]
         logprobs = torch.log_softmax(logits, dim=-1)
         cls = -(teacher_probs * logprobs.gather(1, teacher_ids)).sum(-1).mean()
-        total = total + reg + hp.cls_weight * cls
+        total = total + hp.reg_weight * reg + hp.cls_weight * cls
         reg_sum += reg.item()
         cls_sum += cls.item()
         if j == 1:

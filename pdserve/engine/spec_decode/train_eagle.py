@@ -509,7 +509,7 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
   answer); {result.num_held_out_sequences} held-out sequences ({held_from}).
 
 ## Training
-- Loss: SmoothL1(feature) + {cfg.hyper.cls_weight} x cross-entropy against the target's
+- Loss: {cfg.hyper.reg_weight} x SmoothL1(feature) + {cfg.hyper.cls_weight} x cross-entropy against the target's
   top-8 next-token distribution, answer positions only; uniform feature noise
   +-{cfg.hyper.feature_noise}; unrolled steps (training-time test) {cfg.hyper.unroll_steps};
   softmax of the loss over {hist.loss_vocab_size or "all"} ids ({vocab_line}).
