@@ -107,6 +107,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         num_held_out=args.num_held_out, max_answer_tokens=args.max_answer_tokens,
         max_train_tokens=args.max_train_tokens, device=args.device, init_from=args.init_from,
         draft_vocab_size=args.draft_vocab_size or None,
+        head_intermediate_size=args.head_intermediate_size,
         self_written_prompts=args.self_written_prompts,
         extra_self_written=tuple((n, args.max_answer_tokens if t is None else t)
                                  for n, t in args.extra_self_written or ()),
@@ -350,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="draft over this many most frequent answer tokens (FR-Spec; the LM "
                         "head is most of a small model's draft step); 0: the whole vocabulary")
+    p.add_argument("--head-intermediate-size", type=int, default=None,
+                   help="width of the head's MLP (default: the target's); with --init-from a "
+                        "narrower head, its MLP is widened without changing what it drafts")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and training seed")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.set_defaults(func=_cmd_train_eagle)

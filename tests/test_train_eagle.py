@@ -56,6 +56,27 @@ def test_training_lowers_the_loss(distilled):
     assert sum(last) / 5 < 0.8 * sum(first) / 5
 
 
+def test_token_only_training_ignores_the_feature_loss(distilled):
+    """--regression-weight 0 (EAGLE-3's training): the loss is the classification loss alone,
+    yet the feature loss is still reported; and it still learns the target's tokens."""
+    target, data = distilled
+    train = [d for d in data if not d.is_held_out]
+    torch.manual_seed(0)
+    head = new_head(target, "cpu", 64, PackedCausalAttention())
+    hp = TrainHyperParams(epochs=20, lr=3e-3, batch_tokens=1000, warmup_fraction=0.1,
+                          unroll_steps=2, reg_weight=0.0, cls_weight=1.0)
+    history = train_head(head, train, hp, use_tqdm=False)
+    assert history.losses == pytest.approx(history.cls_losses, rel=1e-5)
+    assert all(r > 0 for r in history.reg_losses)
+    assert sum(history.cls_losses[-5:]) < 0.8 * sum(history.cls_losses[:5])
+
+
+@pytest.mark.parametrize("kwargs", [{"reg_weight": -1.0}, {"cls_weight": 0.0, "reg_weight": 0.0}])
+def test_bad_loss_weights_are_refused(kwargs):
+    with pytest.raises(ValueError, match="weight"):
+        TrainHyperParams(**kwargs)
+
+
 def test_saved_head_reloads_with_the_same_outputs(distilled, tmp_path):
     target, data = distilled
     torch.manual_seed(0)
@@ -104,6 +125,41 @@ def test_head_with_a_frequency_ranked_draft_vocabulary_trains_saves_and_reloads(
     assert torch.equal(loaded.draft_token_ids(), ids)  # int64 map survives the bf16 save
     logits = loaded.compute_logits(torch.randn(3, target.cfg.hidden_size))
     assert torch.isfinite(logits).sum() == 3 * 32 and torch.isfinite(logits[:, ids]).all()
+
+
+def test_a_narrow_head_widens_without_changing_its_drafts(distilled, tmp_path):
+    """--init-from a head with a narrower MLP: same drafts before training (saved weights are
+    bf16, so both heads are compared from the same saved file), then the new units learn."""
+    from pdserve.engine.spec_decode.train_eagle import load_init_weights
+
+    target, data = distilled
+    width = target.cfg.intermediate_size
+    torch.manual_seed(0)
+    narrow = new_head(target, "cpu", 64, PackedCausalAttention())
+    train_head(narrow, data[:4], TrainHyperParams(epochs=1, batch_tokens=80), use_tqdm=False)
+    save_head(narrow, tmp_path / "narrow", {})
+    narrow = new_head(target, "cpu", 64, PackedCausalAttention())
+    load_init_weights(narrow, tmp_path / "narrow")
+    wide = new_head(target, "cpu", 64, PackedCausalAttention(), intermediate_size=2 * width)
+    load_init_weights(wide, tmp_path / "narrow")
+    assert wide.layer.mlp.gate_up_proj.weight.shape[0] == 4 * width
+    down = wide.layer.mlp.down_proj.weight
+    assert down[:, width:].abs().sum() == 0 and down[:, :width].abs().sum() > 0
+    seq = data[6]
+    n = len(seq.token_ids) - 1
+    outs = [h(seq.token_ids[1:], seq.features[:-1], torch.arange(n), [(None, None)],
+              h.layer.self_attn.backend.build_metadata([n])) for h in (narrow, wide)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+    train_head(wide, data[:6], TrainHyperParams(epochs=2, batch_tokens=80), use_tqdm=False)
+    assert wide.layer.mlp.down_proj.weight[:, width:].abs().sum() > 0
+    save_head(wide, tmp_path / "wide", {})
+    config = json.loads((tmp_path / "wide" / "config.json").read_text())
+    assert config["intermediate_size"] == 2 * width
+    load_eagle_model(tmp_path / "wide", target, TorchAttentionBackend(CPU), 64, torch.float32)
+    with pytest.raises(ValueError, match="cannot be narrowed"):
+        load_init_weights(new_head(target, "cpu", 64, PackedCausalAttention(),
+                                   intermediate_size=width // 2), tmp_path / "wide")
 
 
 def test_brown_tags_are_removed_and_quotes_attached():

@@ -80,6 +80,9 @@ class TrainEagleConfig:
         draft_vocab_size: size of the frequency-ranked draft vocabulary (FR-Spec, Zhao et
             al. 2025): the most frequent ids of the training answers; None or the target's
             vocabulary size to draft over every id.
+        head_intermediate_size: width of the head's MLP (None: the target's). With
+            ``init_from`` a narrower head, the MLP is widened without changing its output
+            (see :func:`load_init_weights`).
 
     Raises:
         ValueError: naming the field, for a bad value.
@@ -96,6 +99,7 @@ class TrainEagleConfig:
     hyper: TrainHyperParams = field(default_factory=TrainHyperParams)
     init_from: Path | None = None
     draft_vocab_size: int | None = None
+    head_intermediate_size: int | None = None
     self_written_prompts: int = 0
     extra_self_written: tuple[tuple[int, int], ...] = ()
 
@@ -105,6 +109,9 @@ class TrainEagleConfig:
                              f"{self.self_written_prompts}")
         if self.draft_vocab_size is not None and self.draft_vocab_size <= 0:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
+        if self.head_intermediate_size is not None and self.head_intermediate_size <= 0:
+            raise ValueError("head_intermediate_size must be positive, got "
+                             f"{self.head_intermediate_size}")
         for name in ("num_prompts", "num_held_out", "max_answer_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -219,17 +226,18 @@ class TrainEagleResult:
     extra_rounds_kept: list[int] = field(default_factory=list)
 
 
-def head_config_dict(target_hf: dict, provenance: dict,
-                     draft_vocab_size: int | None = None) -> dict:
+def head_config_dict(target_hf: dict, provenance: dict, draft_vocab_size: int | None = None,
+                     intermediate_size: int | None = None) -> dict:
     """``config.json`` of an EAGLE-1 head for a target (``eagle_layout`` plus the Llama fields;
-    ``draft_vocab_size`` when it drafts over a frequency-ranked vocabulary)."""
+    ``draft_vocab_size`` when it drafts over a frequency-ranked vocabulary; the MLP is
+    ``intermediate_size`` wide, default the target's)."""
     num_heads = int(target_hf["num_attention_heads"])
     hf = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "eagle_layout": "eagle1",
         "hidden_size": target_hf["hidden_size"],
-        "intermediate_size": target_hf["intermediate_size"],
+        "intermediate_size": intermediate_size or target_hf["intermediate_size"],
         "num_attention_heads": num_heads,
         "num_key_value_heads": target_hf.get("num_key_value_heads") or num_heads,
         "head_dim": target_hf.get("head_dim") or target_hf["hidden_size"] // num_heads,
@@ -275,20 +283,24 @@ def save_head(head: EagleDraftModel, out: Path, provenance: dict) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(head_state_dict(head), out / "model.safetensors", metadata={"format": "pt"})
-    config = head_config_dict(head.target.cfg.hf_config, provenance, head.cfg.draft_vocab_size)
+    config = head_config_dict(head.target.cfg.hf_config, provenance, head.cfg.draft_vocab_size,
+                              head.cfg.intermediate_size)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def new_head(target, device: str, max_position: int, backend,
-             draft_token_ids: torch.Tensor | None = None) -> EagleDraftModel:
+             draft_token_ids: torch.Tensor | None = None,
+             intermediate_size: int | None = None) -> EagleDraftModel:
     """A randomly initialized fp32 EAGLE-1 head for ``target``.
 
     Args:
         draft_token_ids: ``[V_draft]`` int64 distinct target ids (most frequent first) for a
             frequency-ranked draft vocabulary, or None for the whole vocabulary.
+        intermediate_size: width of the head's MLP (None: the target's).
     """
     size = None if draft_token_ids is None else len(draft_token_ids)
-    cfg = EagleConfig.from_dict(head_config_dict(target.cfg.hf_config, {}, size))
+    cfg = EagleConfig.from_dict(head_config_dict(target.cfg.hf_config, {}, size,
+                                                 intermediate_size))
     with torch.device(device):
         head = EagleDraftModel(cfg, target, backend, max_position)
     if draft_token_ids is not None:
@@ -297,6 +309,43 @@ def new_head(target, device: str, max_position: int, backend,
         head.t2d.zero_()
         head.t2d[ids] = True
     return head
+
+
+#: Checkpoint names of the head's MLP projections, and the axis that is the MLP's width.
+_MLP_WIDTH_AXIS = {"layers.0.mlp.gate_proj.weight": 0, "layers.0.mlp.up_proj.weight": 0,
+                   "layers.0.mlp.down_proj.weight": 1}
+
+
+@torch.no_grad()
+def load_init_weights(head: EagleDraftModel, folder: Path) -> None:
+    """Load the EAGLE-1 head in ``folder`` into ``head`` (``train-eagle --init-from``).
+
+    A head whose MLP is narrower than ``head``'s is widened function-preservingly
+    (Net2Net-style, Chen et al. 2016, "Net2Net: Accelerating Learning via Knowledge
+    Transfer"): the old units keep their weights, the new ``gate``/``up`` rows keep
+    ``head``'s random init and the new ``down`` columns are zero, so the widened head
+    drafts exactly as the old one until training moves the new units.
+
+    Raises:
+        ValueError: the folder's head is wider than ``head``, or does not fit it otherwise.
+    """
+    width = head.cfg.intermediate_size
+    current = head_state_dict(head, torch.float32)
+
+    def widened():
+        for name, tensor in iter_checkpoint(folder):
+            axis = _MLP_WIDTH_AXIS.get(name.removeprefix("model."))
+            if axis is not None and tensor.shape[axis] != width:
+                old = tensor.shape[axis]
+                if old > width:
+                    raise ValueError(f"init_from head's MLP is {old} wide, wider than the "
+                                     f"head being trained ({width}); it cannot be narrowed")
+                fresh = current[name.removeprefix("model.")].narrow(axis, old, width - old)
+                tensor = torch.cat([tensor.float(), fresh if axis == 0 else
+                                    torch.zeros_like(fresh)], dim=axis)
+            yield name, tensor
+
+    head.load_weights(widened(), require_vocab_map=False)
 
 
 def frequent_token_ids(sequences: list[DistillSequence], size: int, vocab_size: int,
@@ -577,13 +626,14 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
             f"{coverage:.2%} of the training answers' tokens")
     # the head's init and the batch order do not depend on whether data came from the cache
     torch.manual_seed(cfg.hyper.seed)
-    head = new_head(target, cfg.device, max_position, PackedCausalAttention(), draft_ids)
+    width = cfg.head_intermediate_size
+    head = new_head(target, cfg.device, max_position, PackedCausalAttention(), draft_ids, width)
     if cfg.init_from is not None:
-        head.load_weights(iter_checkpoint(Path(cfg.init_from)), require_vocab_map=False)
+        load_init_weights(head, Path(cfg.init_from).expanduser())
     history = train_head(head, train_data, cfg.hyper, use_tqdm=use_tqdm)
 
     paged = new_head(target, cfg.device, max_position,
-                     TorchAttentionBackend(torch.device(cfg.device)), draft_ids)
+                     TorchAttentionBackend(torch.device(cfg.device)), draft_ids, width)
     paged.load_state_dict(head.state_dict())
     estimate = estimate_acceptance(paged.eval(), held_data, num_speculative_tokens=4)
     log(f"held-out: {estimate.summary()}")
@@ -624,6 +674,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         "extra_self_written": [{"count": c, "max_answer_tokens": t, "kept": k} for (c, t), k
                                in zip(cfg.extra_self_written, result.extra_rounds_kept)],
         "draft_vocab_size": None if draft_ids is None else len(draft_ids),
+        "head_intermediate_size": head.cfg.intermediate_size,
         "draft_vocab_answer_coverage": round(coverage, 4),
         "train_time_s": round(history.elapsed_s, 1),
         "final_loss": history.losses[-1],
