@@ -318,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(p)
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("train-eagle", help="train an EAGLE-1/2 draft head for a model by "
-                                            "self-distillation")
+    p = sub.add_parser("train-eagle", help="train an EAGLE-1/2 or EAGLE-3 draft head for a "
+                                            "model by self-distillation")
     p.add_argument("--model", default=None,
                    help="target model folder or .gguf file (default: embedded "
                         "SmolLM2-135M-Instruct)")
@@ -347,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the SmoothL1 loss between predicted and target features "
                         "(0: tokens only, EAGLE-3's training; use with --unroll-steps >= 2)")
     p.add_argument("--init-from", default=None,
-                   help="EAGLE-1 head folder to continue training from (default: random init)")
+                   help="EAGLE head folder (of --head-layout) to continue training from "
+                        "(default: a new head)")
     p.add_argument("--max-train-minutes", type=float, default=None,
                    help="fit the number of training steps into this wall time (measured)")
     p.add_argument("--self-written-prompts", type=int, default=0,
