@@ -191,4 +191,20 @@ def test_train_eagle_runs_end_to_end_and_caches_each_self_written_round(
         s.prompt_ids for s in extra[1:]]
     tokenizer = load_tokenizer(default_model_path)
     assert "Name three rivers in Europe." in tokenizer.decode(resumed[0].prompt_ids)
+    # --init-from default continues the shipped head, at its MLP width unless told otherwise
+    shipped = bundled_head_dir(DEFAULT_MODEL)
+    assert main([*argv, "--init-from", "default", "--out", str(tmp_path / "cont")]) == 0
+    cont = json.loads((tmp_path / "cont" / "config.json").read_text())
+    width = json.loads((shipped / "config.json").read_text())["intermediate_size"]
+    assert cont["intermediate_size"] == width > target.cfg.intermediate_size
+    assert cont["pdserve_provenance"]["init_from"] == str(shipped.resolve())
+    # --data-dtype bfloat16: the data made in bf16 is cached apart, never mixed with fp32's
+    before = {f.name for f in data.glob("*.jsonl")}
+    assert main([*argv, "--data-dtype", "bfloat16", "--out", str(tmp_path / "bf16")]) == 0
+    made = {f.name for f in data.glob("*.jsonl")} - before
+    assert len(made) == 3  # text answers, self-written requests' answers, the extra round
+    assert all(len(load_sequences(data / name)) > 0 for name in made)
+    bf16 = json.loads((tmp_path / "bf16" / "config.json").read_text())["pdserve_provenance"]
+    assert bf16["data_dtype"] == "bfloat16" and provenance["data_dtype"] == "float32"
+    assert "engine in bfloat16" in (tmp_path / "bf16" / "README.md").read_text()
 

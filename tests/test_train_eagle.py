@@ -242,6 +242,21 @@ def test_an_eagle1_head_cannot_start_an_eagle3_run(tiny_dir, tmp_path, capsys):
     assert "expected three non-negative layer ids" in capsys.readouterr().err
 
 
+def test_init_head_wider_than_the_asked_width_is_refused_before_any_work(tiny_dir, tmp_path,
+                                                                         capsys):
+    target = load_target_model(tiny_dir, 64)
+    width = target.cfg.intermediate_size
+    save_head(new_head(target, "cpu", 64, PackedCausalAttention(), intermediate_size=2 * width),
+              tmp_path / "wide", {})
+    code = main(["train-eagle", "--model", str(tiny_dir), "--out", str(tmp_path / "o"),
+                 "--init-from", str(tmp_path / "wide"), "--head-intermediate-size", str(width)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert (f"head_intermediate_size {width} is narrower than the init_from head's MLP "
+            f"({2 * width})") in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_brown_tags_are_removed_and_quotes_attached():
     tagged = "The/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' ,/, again/rb ./."
     assert detag_sentence(tagged) == 'The jury said "no evidence", again.'
@@ -252,6 +267,10 @@ def test_brown_tags_are_removed_and_quotes_attached():
     (["--epochs", "0"], "epochs must be positive"),
     (["--num-prompts", "-3"], "num_prompts must be positive"),
     (["--init-from", "/nonexistent/head"], "is not an EAGLE head folder"),
+    # checked against the target before any answer is generated
+    (["--head-layout", "eagle3", "--aux-layers", "0,1,5"],
+     "aux_layer_ids [0, 1, 5] are not layers of the target (0 .. 1)"),
+    (["--init-from", "default"], "is a head for a target of hidden size 576, not this target (64)"),
 ])
 def test_cli_bad_input_is_a_one_line_error(tiny_dir, tmp_path, capsys, argv, message):
     code = main(["train-eagle", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), *argv])
