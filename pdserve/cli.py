@@ -372,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with its own LM head over the draft vocabulary, trained on tokens "
                         "alone")
     p.add_argument("--aux-layers", type=_aux_layers, default=None, metavar="LOW,MID,HIGH",
-                   help="eagle3: the target layers whose inputs are fused (default: 2, "
-                        "L/2, L-3 of an L-layer target)")
+                   help="eagle3: the target layers whose inputs are fused (default: the "
+                        "--init-from head's, else 2, L/2, L-3 of an L-layer target)")
     p.add_argument("--head-intermediate-size", type=int, default=None,
                    help="width of the head's MLP (default: the --init-from head's, else "
                         "the target's); with --init-from a narrower head, its MLP is widened "

@@ -257,6 +257,29 @@ def test_init_head_wider_than_the_asked_width_is_refused_before_any_work(tiny_di
     assert not (tmp_path / "o").exists()
 
 
+def test_a_continued_head_keeps_its_width_and_fused_layers_unless_told(tiny_dir, tmp_path):
+    """``--init-from`` without ``--head-intermediate-size`` / ``--aux-layers`` trains at the
+    init head's MLP width and fuses its layers; other fused layers are refused."""
+    from pdserve.engine.spec_decode.train_eagle import TrainEagleConfig, _check_fits_target
+
+    target = load_target_model(tiny_dir, 64)
+    width = target.cfg.intermediate_size
+    save_head(new_head(target, "cpu", 64, PackedCausalAttention(), torch.arange(64),
+                       2 * width, "eagle3", (0, 1, 1)), tmp_path / "h3", {})
+
+    def fits(**kw):
+        cfg = TrainEagleConfig(model=str(tiny_dir), data="builtin", out=tmp_path / "o",
+                               layout="eagle3", init_from=tmp_path / "h3", **kw)
+        return _check_fits_target(cfg, tiny_dir)
+
+    assert fits() == (2 * width, (0, 1, 1))
+    assert fits(head_intermediate_size=4 * width, aux_layer_ids=(0, 1, 1)) == (4 * width,
+                                                                              (0, 1, 1))
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[0, 1, 0\] differ from the layers "
+                                         r"the init_from head fuses \(\[0, 1, 1\]\)"):
+        fits(aux_layer_ids=(0, 1, 0))
+
+
 def test_brown_tags_are_removed_and_quotes_attached():
     tagged = "The/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' ,/, again/rb ./."
     assert detag_sentence(tagged) == 'The jury said "no evidence", again.'

@@ -245,14 +245,16 @@ def init_head_folder(init_from: str | Path) -> Path:
     return eagle_head_path(str(init_from)).expanduser()
 
 
-def _check_fits_target(cfg: TrainEagleConfig, model_path: Path) -> int | None:
+def _check_fits_target(cfg: TrainEagleConfig, model_path: Path,
+                       ) -> tuple[int | None, tuple[int, ...]]:
     """Check what can only be checked against the target, before any answer is generated:
-    ``aux_layer_ids`` are its layers, and an ``init_from`` head is one of its heads and no
-    wider than the head to train.
+    ``aux_layer_ids`` are its layers, and an ``init_from`` head is one of its heads, no
+    wider than the head to train and (eagle3) fuses the same layers.
 
     Returns:
-        The head's MLP width: ``head_intermediate_size``, else the ``init_from`` head's,
-        else None (the target's).
+        ``(width, aux_layer_ids)``: the head's MLP width (``head_intermediate_size``, else
+        the ``init_from`` head's, else None: the target's) and its fused layers
+        (``aux_layer_ids``, else the ``init_from`` head's, else empty: the default).
 
     Raises:
         ValueError: naming the field.
@@ -261,25 +263,30 @@ def _check_fits_target(cfg: TrainEagleConfig, model_path: Path) -> int | None:
     from pdserve.engine.loader.checkpoint import load_checkpoint
 
     arch = ModelArchConfig.from_hf_config(load_checkpoint(model_path).hf_config)
-    if cfg.layout == "eagle3" and cfg.aux_layer_ids and max(cfg.aux_layer_ids) >= arch.num_layers:
-        raise ValueError(f"aux_layer_ids {list(cfg.aux_layer_ids)} are not layers of the "
-                         f"target (0 .. {arch.num_layers - 1})")
-    width = cfg.head_intermediate_size
-    if cfg.init_from is None:
-        return width
-    folder = init_head_folder(cfg.init_from)
-    init = EagleConfig.from_dir(folder)
-    fed = init.target_hidden_size or init.hidden_size
-    if init.hidden_size != arch.hidden_size or fed != arch.hidden_size:
-        raise ValueError(f"init_from {str(folder)!r} is a head for a target of hidden size "
-                         f"{fed}, not this target ({arch.hidden_size})")
-    if width is None:
-        return init.intermediate_size
-    if width < init.intermediate_size:
-        raise ValueError(f"head_intermediate_size {width} is narrower than the init_from "
-                         f"head's MLP ({init.intermediate_size}); it can be widened, not "
-                         "narrowed")
-    return width
+    width, aux = cfg.head_intermediate_size, tuple(cfg.aux_layer_ids)
+    if cfg.init_from is not None:
+        folder = init_head_folder(cfg.init_from)
+        init = EagleConfig.from_dir(folder)
+        fed = init.target_hidden_size or init.hidden_size
+        if init.hidden_size != arch.hidden_size or fed != arch.hidden_size:
+            raise ValueError(f"init_from {str(folder)!r} is a head for a target of hidden "
+                             f"size {fed}, not this target ({arch.hidden_size})")
+        if width is None:
+            width = init.intermediate_size
+        elif width < init.intermediate_size:
+            raise ValueError(f"head_intermediate_size {width} is narrower than the init_from "
+                             f"head's MLP ({init.intermediate_size}); it can be widened, not "
+                             "narrowed")
+        if cfg.layout == "eagle3" and init.aux_layer_ids:
+            if aux and aux != tuple(init.aux_layer_ids):
+                raise ValueError(f"aux_layer_ids {list(aux)} differ from the layers the "
+                                 f"init_from head fuses ({list(init.aux_layer_ids)}); start a "
+                                 "new head to fuse other layers")
+            aux = tuple(init.aux_layer_ids)
+    if aux and max(aux) >= arch.num_layers:
+        raise ValueError(f"aux_layer_ids {list(aux)} are not layers of the target "
+                         f"(0 .. {arch.num_layers - 1})")
+    return width, aux
 
 
 def _check_init_head(folder: Path, layout: str = "eagle1") -> None:
@@ -740,7 +747,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     t0 = time.perf_counter()
     _probe_out_folder(Path(cfg.out).expanduser())
     model_path = resolve_model(cfg.model)
-    width = _check_fits_target(cfg, model_path)
+    width, aux_ids = _check_fits_target(cfg, model_path)
     torch.manual_seed(cfg.hyper.seed)
     sequences, stem, rounds = _self_distill_data(cfg, model_path, use_tqdm, log)
     train_seqs = _cap_tokens([s for s in sequences if not s.is_held_out], cfg.max_train_tokens)
@@ -758,7 +765,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     aux: tuple[int, ...] = ()
     kind = ""  # eagle1 caches keep their names
     if cfg.layout == "eagle3":
-        aux = tuple(cfg.aux_layer_ids or default_aux_layer_ids(target.cfg.num_layers))
+        aux = aux_ids or default_aux_layer_ids(target.cfg.num_layers)
         kind = ".eagle3-" + "-".join(map(str, aux))
     suffix = f".{len(train_seqs)}{kind}.features.pt"
     train_data = _features(feature_target, train_seqs, stem.with_suffix(".train" + suffix),
