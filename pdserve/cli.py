@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 
@@ -106,7 +107,35 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+#: ``train-eagle``: the config field each flag sets, where the names differ or hold a "_".
+_TRAIN_EAGLE_FLAGS = {
+    "layout": "--head-layout", "aux_layer_ids": "--aux-layers",
+    "cls_weight": "--classification-weight", "reg_weight": "--regression-weight",
+    **{name: "--" + name.replace("_", "-") for name in (
+        "out", "data", "device", "epochs", "lr", "num_prompts", "num_held_out",
+        "max_answer_tokens", "max_train_tokens", "init_from", "draft_vocab_size",
+        "head_intermediate_size", "data_dtype", "self_written_prompts", "extra_self_written",
+        "batch_tokens", "unroll_steps", "max_train_minutes")},
+}
+
+
+def _train_eagle_flag_names(message: str) -> str:
+    """A ``train-eagle`` config error with its fields written as the flags that set them:
+    the first word when it is a field, and any field name holding a ``_`` elsewhere."""
+    first, sep, rest = message.partition(" ")
+    rest = re.sub(r"\b[a-z]+(?:_[a-z]+)+\b",
+                  lambda m: _TRAIN_EAGLE_FLAGS.get(m.group(0), m.group(0)), rest)
+    return _TRAIN_EAGLE_FLAGS.get(first, first) + sep + rest
+
+
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
+    try:
+        return _train_eagle(args)
+    except (ValueError, FileNotFoundError) as exc:
+        raise type(exc)(_train_eagle_flag_names(str(exc))) from None
+
+
+def _train_eagle(args: argparse.Namespace) -> int:
     from pdserve.engine.spec_decode.eagle_data import CorpusFetchError
     from pdserve.engine.spec_decode.train_eagle import (
         TrainEagleConfig,

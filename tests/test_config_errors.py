@@ -60,15 +60,25 @@ def test_draft_confidence_without_a_model_drafter_is_rejected():
     (["--speculative-method", "eagle"],
      "--speculative-model is required for --speculative-method='eagle'"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be positive, got 0"),
+    # the speculative model is checked before anything loads (serve: before workers start)
+    (["--speculative-method", "eagle", "--speculative-model", "/nonexistent/head"],
+     "speculative model folder '/nonexistent/head' does not exist"),
+    (["--speculative-method", "eagle", "--speculative-model", "/"],
+     "speculative model folder '/' has no config.json"),
+    (["--speculative-method", "draft", "--speculative-model", "/nonexistent/m"],
+     "speculative model '/nonexistent/m' not found: '/nonexistent/m' does not exist (expected "
+     "a checkpoint folder with config.json, a .gguf file, or 'SmolLM2-135M-Instruct')"),
     (["--speculative-disable-by-batch-size", "2"],
      "--speculative-disable-by-batch-size needs a --speculative-method (eagle, draft or "
      "ngram); speculation is off"),
 ])
 def test_cli_names_the_flag_in_one_line(argv, message, capsys):
-    """``pdserve decode-worker`` checks the engine config before loading anything; its
-    error names the flag the user wrote, not the config field."""
+    """``pdserve decode-worker`` and ``serve`` check the engine config before loading or
+    starting anything; the error names the flag the user wrote, not the config field."""
     from pdserve.cli import main
 
     assert main(["decode-worker", "--router", "tcp://127.0.0.1:1", *argv]) == 2
     err = capsys.readouterr().err
     assert err == f"pdserve: error: {message}\n"
+    assert main(["serve", "--port", "1", *argv]) == 2
+    assert capsys.readouterr().err == err

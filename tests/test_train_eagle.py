@@ -252,7 +252,7 @@ def test_init_head_wider_than_the_asked_width_is_refused_before_any_work(tiny_di
                  "--init-from", str(tmp_path / "wide"), "--head-intermediate-size", str(width)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert (f"head_intermediate_size {width} is narrower than the init_from head's MLP "
+    assert (f"--head-intermediate-size {width} is narrower than the --init-from head's MLP "
             f"({2 * width})") in err
     assert not (tmp_path / "o").exists()
 
@@ -287,12 +287,18 @@ def test_brown_tags_are_removed_and_quotes_attached():
 
 @pytest.mark.parametrize("argv, message", [
     (["--data", "/nonexistent/text.txt"], "does not exist"),
-    (["--epochs", "0"], "epochs must be positive"),
-    (["--num-prompts", "-3"], "num_prompts must be positive"),
-    (["--init-from", "/nonexistent/head"], "is not an EAGLE head folder"),
+    # errors name the flags, not the config fields
+    (["--epochs", "0"], "--epochs must be positive, got 0"),
+    (["--num-prompts", "-3"], "--num-prompts must be positive, got -3"),
+    (["--classification-weight", "0", "--regression-weight", "0"],
+     "--classification-weight and --regression-weight are both 0: nothing to train on"),
+    (["--aux-layers", "1,2,3"],
+     "--aux-layers apply to eagle3 heads only (the fused target layers), not layout 'eagle1'"),
+    (["--init-from", "/nonexistent/head"], "--init-from '/nonexistent/head' does not exist"),
+    (["--init-from", "/"], "--init-from '/' is not an EAGLE head folder"),
     # checked against the target before any answer is generated
     (["--head-layout", "eagle3", "--aux-layers", "0,1,5"],
-     "aux_layer_ids [0, 1, 5] are not layers of the target (0 .. 1)"),
+     "--aux-layers [0, 1, 5] are not layers of the target (0 .. 1)"),
     (["--init-from", "default"], "is a head for a target of hidden size 576, not this target (64)"),
 ])
 def test_cli_bad_input_is_a_one_line_error(tiny_dir, tmp_path, capsys, argv, message):

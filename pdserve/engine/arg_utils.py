@@ -61,16 +61,44 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
-    """Build the validated config.
+    """Build the validated config; a ``--speculative-model`` is checked to be what
+    ``--speculative-method`` loads (its config only), so ``serve`` fails before any worker
+    starts.
 
     Raises:
         ValueError: naming the bad setting by its flag (``--num-kv-blocks``), as the user
             wrote it.
+        FileNotFoundError: the speculative model folder or its config.json is missing.
     """
     try:
-        return _engine_config_from_args(args, model)
+        config = _engine_config_from_args(args, model)
+        check_speculative_model(config)
     except ValueError as exc:
         raise ValueError(flag_names(str(exc))) from None
+    return config
+
+
+def check_speculative_model(config: EngineConfig) -> None:
+    """Check, from its config alone, that ``config.speculative_model`` is an EAGLE head
+    folder (``--speculative-method eagle``; ``default``: the shipped head) or a model the
+    engine loads (``draft``).
+
+    Raises:
+        FileNotFoundError: the path, or an EAGLE head's config.json, does not exist.
+        ValueError: the config is not an EAGLE head's.
+    """
+    if config.speculative_method == "eagle":
+        from pdserve.engine.spec_decode.eagle_config import EagleConfig
+        from pdserve.engine.spec_decode.eagle_proposer import eagle_head_path
+
+        EagleConfig.from_dir(eagle_head_path(config.speculative_model))
+    elif config.speculative_method == "draft":
+        from pdserve.engine.loader.default_model import ModelNotFoundError, resolve_model
+
+        try:
+            resolve_model(config.speculative_model)
+        except ModelNotFoundError as exc:
+            raise ModelNotFoundError(f"speculative {exc}") from None
 
 
 def flag_names(message: str) -> str:

