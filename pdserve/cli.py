@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 import time
 
@@ -119,20 +118,13 @@ _TRAIN_EAGLE_FLAGS = {
 }
 
 
-def _train_eagle_flag_names(message: str) -> str:
-    """A ``train-eagle`` config error with its fields written as the flags that set them:
-    the first word when it is a field, and any field name holding a ``_`` elsewhere."""
-    first, sep, rest = message.partition(" ")
-    rest = re.sub(r"\b[a-z]+(?:_[a-z]+)+\b",
-                  lambda m: _TRAIN_EAGLE_FLAGS.get(m.group(0), m.group(0)), rest)
-    return _TRAIN_EAGLE_FLAGS.get(first, first) + sep + rest
-
-
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
+    from pdserve.engine.arg_utils import flag_names
+
     try:
         return _train_eagle(args)
     except (ValueError, FileNotFoundError) as exc:
-        raise type(exc)(_train_eagle_flag_names(str(exc))) from None
+        raise type(exc)(flag_names(str(exc), _TRAIN_EAGLE_FLAGS)) from None
 
 
 def _train_eagle(args: argparse.Namespace) -> int:

@@ -101,17 +101,18 @@ def check_speculative_model(config: EngineConfig) -> None:
             raise ModelNotFoundError(f"speculative {exc}") from None
 
 
-def flag_names(message: str) -> str:
-    """``EngineConfig`` field names in ``message`` written as their CLI flags: the first
-    word when it is a field, and any other multi-word field name (``max_model_len``)."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+def flag_names(message: str, flags: dict[str, str] | None = None) -> str:
+    """Config field names in ``message`` written as the CLI flags that set them: the first
+    word when it is a field, and any other field name holding a ``_`` (``max_model_len``).
+
+    Args:
+        flags: field -> flag; default: every ``EngineConfig`` field as ``--field-name``.
+    """
+    if flags is None:
+        flags = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineConfig)}
     first, sep, rest = message.partition(" ")
-    if first in fields:
-        first = "--" + first.replace("_", "-")
-    rest = re.sub(r"\b[a-z]+(?:_[a-z]+)+\b",
-                  lambda m: "--" + m.group(0).replace("_", "-") if m.group(0) in fields
-                  else m.group(0), rest)
-    return first + sep + rest
+    rest = re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: flags.get(m.group(0), m.group(0)), rest)
+    return flags.get(first, first) + sep + rest
 
 
 def _engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
