@@ -135,6 +135,9 @@ def _train_eagle(args: argparse.Namespace) -> int:
         run_train_eagle,
     )
 
+    if args.draft_vocab_size < 0:
+        raise ValueError("--draft-vocab-size must be >= 0 (0: the whole vocabulary), got "
+                         f"{args.draft_vocab_size}")
     cfg = TrainEagleConfig(
         model=args.model, data=args.data, out=args.out, num_prompts=args.num_prompts,
         num_held_out=args.num_held_out, max_answer_tokens=args.max_answer_tokens,

@@ -300,6 +300,9 @@ def test_brown_tags_are_removed_and_quotes_attached():
     (["--head-layout", "eagle3", "--aux-layers", "0,1,5"],
      "--aux-layers [0, 1, 5] are not layers of the target (0 .. 1)"),
     (["--init-from", "default"], "is a head for a target of hidden size 576, not this target (64)"),
+    # 0 is allowed (the whole vocabulary), so the message is not "must be positive"
+    (["--draft-vocab-size", "-5"],
+     "--draft-vocab-size must be >= 0 (0: the whole vocabulary), got -5"),
 ])
 def test_cli_bad_input_is_a_one_line_error(tiny_dir, tmp_path, capsys, argv, message):
     code = main(["train-eagle", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), *argv])

@@ -792,6 +792,9 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         draft_ids, coverage = frequent_token_ids(train_seqs, cfg.draft_vocab_size, vocab_size)
         log(f"draft vocabulary: {cfg.draft_vocab_size} most frequent ids cover "
             f"{coverage:.2%} of the training answers' tokens")
+    elif cfg.draft_vocab_size is not None:
+        log(f"draft vocabulary: {cfg.draft_vocab_size} is not smaller than the target's "
+            f"vocabulary ({vocab_size}); drafting over all of it")
     # the head's init and the batch order do not depend on whether data came from the cache
     torch.manual_seed(cfg.hyper.seed)
     head = new_head(target, cfg.device, max_position, PackedCausalAttention(), draft_ids, width,
