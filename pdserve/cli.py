@@ -97,11 +97,12 @@ def _aux_layers(text: str) -> tuple[int, int, int]:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` to an option's help unless the help already says it or the
-    option is required."""
+    """Appends ``(default: X)`` to an option's help unless the help already says it, the
+    option is required or its default is None (the help says what leaving it out does)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.help and ("(default" in action.help or action.required):
+        if action.help and ("default:" in action.help or action.required
+                            or action.default is None):
             return action.help
         return super()._get_help_string(action)
 
@@ -244,10 +245,11 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds")
     p.add_argument("--port", type=_port, default=8000, help="HTTP port")
     p.add_argument("--api-key", default=None,
-                   help="require this bearer token on /v1 (or set PDSERVE_API_KEY)")
+                   help="require this bearer token on /v1 (or set PDSERVE_API_KEY; "
+                        "default: no token)")
     p.add_argument("--router-address", default=None,
-                   help="zmq address the router binds (serve: a free loopback port; "
-                        "server: tcp://0.0.0.0:5557)")
+                   help="zmq address the router binds (default: serve: a free loopback "
+                        "port; server: tcp://0.0.0.0:5557)")
     p.add_argument("--max-num-inflight", type=int, default=1024,
                    help="requests in flight above which new ones get 503")
 
@@ -315,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed (default: none, not reproducible)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
@@ -375,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'default': the head shipped for the embedded default model "
                         "(default: a new head)")
     p.add_argument("--max-train-minutes", type=float, default=None,
-                   help="fit the number of training steps into this wall time (measured)")
+                   help="fit the number of training steps into this wall time (measured; "
+                        "default: no limit, --epochs decides)")
     p.add_argument("--self-written-prompts", type=int, default=0,
                    help="also train on this many chat requests the target writes itself "
                         "(Magpie), with its answers; 1 in 8 more are held out")

@@ -82,3 +82,21 @@ def test_cli_names_the_flag_in_one_line(argv, message, capsys):
     assert err == f"pdserve: error: {message}\n"
     assert main(["serve", "--port", "1", *argv]) == 2
     assert capsys.readouterr().err == err
+
+
+def test_cli_help_says_what_each_default_is():
+    """No option's help ends in a bare ``(default: None)``: an option left unset says what
+    leaving it out does, in its own words."""
+    import argparse
+
+    from pdserve.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    checked = 0
+    for name, parser in sub.choices.items():
+        text = parser.format_help()
+        assert "(default: None)" not in text, name
+        checked += 1
+    assert checked >= 8
+    serve = sub.choices["serve"].format_help()
+    assert "default: no token" in " ".join(serve.split())

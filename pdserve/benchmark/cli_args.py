@@ -43,7 +43,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the gaps; 1 is Poisson, lower is burstier")
     g.add_argument("--max-concurrency", type=int, default=None,
-                   help="most requests in flight at once")
+                   help="most requests in flight at once (default: no limit)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos so every output runs to max_tokens")
@@ -55,7 +55,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-result", action="store_true", help="write the JSON result")
     g.add_argument("--save-detailed", action="store_true",
                    help="add per-request lists (input_lens, output_lens, ttfts, itls, ...)")
-    g.add_argument("--result-dir", default=None)
-    g.add_argument("--result-filename", default=None)
+    g.add_argument("--result-dir", default=None,
+                   help="folder of the JSON result (default: the current folder)")
+    g.add_argument("--result-filename", default=None,
+                   help="file name of the JSON result; implies --save-result (default: "
+                        "BACKEND-RATEqps-MODEL-TIME.json)")
     g.add_argument("--label", default=None, help="free text stored in the result")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

@@ -21,11 +21,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compute and KV cache dtype (auto: bfloat16)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from the memory budget: 2 "
+                        "GiB on CPU, 85%% of free memory on CUDA; give at most one of the three "
+                        "sizes)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV cache size in bytes (all layers, K and V)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
-                   help="KV cache size as a fraction of free device memory")
+                   help="KV cache size as a fraction of free device memory after the weights")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's context length)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in a batch")
