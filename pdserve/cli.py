@@ -146,6 +146,7 @@ def _train_eagle(args: argparse.Namespace) -> int:
         draft_vocab_size=args.draft_vocab_size or None,
         head_intermediate_size=args.head_intermediate_size, layout=args.head_layout,
         aux_layer_ids=tuple(args.aux_layers or ()), data_dtype=args.data_dtype,
+        train_seed=args.train_seed,
         self_written_prompts=args.self_written_prompts,
         extra_self_written=tuple((n, args.max_answer_tokens if t is None else t)
                                  for n, t in args.extra_self_written or ()),
@@ -410,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "features in (bfloat16: 2-3x faster on CPUs with AVX512-BF16, and what "
                         "workers serve in; each dtype has its own cache)")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and training seed")
+    p.add_argument("--train-seed", type=int, default=None,
+                   help="seed of the head's init, feature noise and batch order only (default: "
+                        "--seed); another value trains on the same cached data in another "
+                        "order, e.g. to continue a head (--init-from) trained on it")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.set_defaults(func=_cmd_train_eagle)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -177,6 +178,15 @@ def test_train_eagle_runs_end_to_end_and_caches_each_self_written_round(
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert first.keys() == again.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
+    # --train-seed: the same cached data (nothing made again), another init and batch order
+    assert main([*argv, "--train-seed", "1", "--out", str(tmp_path / "reseeded")]) == 0
+    assert {f.name: f.stat().st_mtime_ns for f in data.iterdir()} == mtimes
+    reseeded = load_file(tmp_path / "reseeded" / "model.safetensors")
+    assert any(not torch.equal(first[k], reseeded[k]) for k in first)
+    other = json.loads((tmp_path / "reseeded" / "config.json").read_text())["pdserve_provenance"]
+    assert other["train_seed"] == 1 and provenance["train_seed"] is None
+    assert other["num_train_tokens"] == provenance["num_train_tokens"]
+    assert "seed 0 (training: 1)" in (tmp_path / "reseeded" / "README.md").read_text()
     # a run stopped while answering a round keeps the requests already written: with the
     # answers gone, the next run answers the cached requests (one edited here to show it)
     requests_file = round_file.with_suffix(".requests.json")
@@ -198,7 +208,10 @@ def test_train_eagle_runs_end_to_end_and_caches_each_self_written_round(
     cont = json.loads((tmp_path / "cont" / "config.json").read_text())
     width = json.loads((shipped / "config.json").read_text())["intermediate_size"]
     assert cont["intermediate_size"] == width > target.cfg.intermediate_size
-    assert cont["pdserve_provenance"]["init_from"] == str(shipped.resolve())
+    # the provenance names the shipped head and its weights, not this machine's path
+    assert cont["pdserve_provenance"]["init_from"] == "default"
+    weights = hashlib.sha256((shipped / "model.safetensors").read_bytes()).hexdigest()[:16]
+    assert cont["pdserve_provenance"]["init_from_sha256"] == weights
     # --data-dtype bfloat16: the data made in bf16 is cached apart, never mixed with fp32's
     before = {f.name for f in data.glob("*.jsonl")}
     assert main([*argv, "--data-dtype", "bfloat16", "--out", str(tmp_path / "bf16")]) == 0

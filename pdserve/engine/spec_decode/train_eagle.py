@@ -20,12 +20,13 @@ regression) and writes the official EAGLE-3 names (``midlayer.*``, its own ``nor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -95,6 +96,10 @@ class TrainEagleConfig:
             al. 2025): the most frequent ids of the training answers; None or the target's
             vocabulary size to draft over every id.
         layout: ``"eagle1"`` (EAGLE-1/2 head) or ``"eagle3"``.
+        train_seed: seed of the head's initialization, feature noise and batch order
+            (None: ``hyper.seed``, which also samples the prompts). Another value trains on
+            the same, cached, data in another order, e.g. when continuing a head
+            (``init_from``) that was trained on it.
         aux_layer_ids: eagle3: the target layers whose inputs are fused (low, mid, high);
             empty for :func:`~.eagle.default_aux_layer_ids`.
         data_dtype: ``"float32"`` or ``"bfloat16"``: what the target runs in to write the
@@ -125,6 +130,7 @@ class TrainEagleConfig:
     layout: str = "eagle1"
     aux_layer_ids: tuple[int, ...] = ()
     data_dtype: str = "float32"
+    train_seed: int | None = None
     self_written_prompts: int = 0
     extra_self_written: tuple[tuple[int, int], ...] = ()
 
@@ -245,6 +251,20 @@ def init_head_folder(init_from: str | Path) -> Path:
     from pdserve.engine.spec_decode.eagle_proposer import eagle_head_path
 
     return eagle_head_path(str(init_from)).expanduser()
+
+
+def head_weights_sha256(folder: Path) -> str:
+    """The first 16 hex digits of the SHA-256 of a head folder's ``model.safetensors``
+    (which head a run continued from, recorded in its provenance).
+
+    Raises:
+        FileNotFoundError: the folder has no ``model.safetensors``.
+    """
+    h = hashlib.sha256()
+    with (Path(folder) / "model.safetensors").open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def _check_fits_target(cfg: TrainEagleConfig, model_path: Path,
@@ -722,7 +742,8 @@ Sampling Requires Rethinking Feature Uncertainty"). Layout: {layout}. Serve with
   ({f"time budget: {cfg.hyper.max_train_minutes} min" if cfg.hyper.max_train_minutes
   else "no time budget"}), about
   {cfg.hyper.batch_tokens} tokens per batch, grad clip {cfg.hyper.grad_clip},
-  seed {cfg.hyper.seed}, device {cfg.device}.
+  seed {cfg.hyper.seed}{"" if cfg.train_seed in (None, cfg.hyper.seed) else
+  f" (training: {cfg.train_seed})"}, device {cfg.device}.
 - {hist.num_steps} steps, {hist.num_tokens} head tokens, {hist.elapsed_s / 60:.1f} min
   training ({result.elapsed_s / 60:.1f} min in all, {f"{os.cpu_count()} CPU cores" if cfg.device == "cpu" else cfg.device}).
 - Loss first step {hist.losses[0]:.4f}, mean of the last {len(tail)} steps {sum(tail) / len(tail):.4f}
@@ -796,14 +817,15 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         log(f"draft vocabulary: {cfg.draft_vocab_size} is not smaller than the target's "
             f"vocabulary ({vocab_size}); drafting over all of it")
     # the head's init and the batch order do not depend on whether data came from the cache
-    torch.manual_seed(cfg.hyper.seed)
+    hyper = cfg.hyper if cfg.train_seed is None else replace(cfg.hyper, seed=cfg.train_seed)
+    torch.manual_seed(hyper.seed)
     head = new_head(target, cfg.device, max_position, PackedCausalAttention(), draft_ids, width,
                     cfg.layout, aux)
     if cfg.init_from is not None:
         load_init_weights(head, init_head_folder(cfg.init_from))
         if cfg.layout == "eagle3":  # its own LM head's rows are its draft vocabulary's
             draft_ids = head.draft_token_ids().cpu()
-    history = train_head(head, train_data, cfg.hyper, use_tqdm=use_tqdm)
+    history = train_head(head, train_data, hyper, use_tqdm=use_tqdm)
 
     paged = new_head(target, cfg.device, max_position,
                      TorchAttentionBackend(torch.device(cfg.device)), draft_ids, width,
@@ -830,8 +852,12 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
     provenance = {
         "trained_by": "pdserve train-eagle",
         "command": command,
-        "init_from": (None if cfg.init_from is None
+        # "default" stays a name (the shipped head, not this machine's path to it); the
+        # weights' hash says which head it was
+        "init_from": (None if cfg.init_from is None else "default" if cfg.init_from == "default"
                       else str(init_head_folder(cfg.init_from).resolve())),
+        "init_from_sha256": (None if cfg.init_from is None
+                             else head_weights_sha256(init_head_folder(cfg.init_from))),
         "target": model_path.name,
         "data": cfg.data,
         "num_prompts": cfg.num_prompts,
@@ -843,6 +869,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         "num_train_sequences": result.num_train_sequences,
         "num_train_tokens": result.num_train_tokens,
         "hyperparameters": asdict(cfg.hyper),
+        "train_seed": cfg.train_seed,  # None: hyperparameters.seed
         "num_steps": history.num_steps,
         "loss_vocab_size": history.loss_vocab_size,
         "self_written_prompts": cfg.self_written_prompts,
