@@ -376,8 +376,8 @@ def test_cli_bad_extra_self_written_round_is_refused(tiny_dir, tmp_path, capsys,
 
 @pytest.mark.parametrize("bad", ["{", '{"a": 1}', "[]", '["ok", 3]', '["ok", ""]',
                                  '["a", "b", "c", "d"]', b"\xff\xfe"])
-def test_cached_requests_are_reused_and_a_bad_file_is_written_again(tmp_path, bad):
-    from pdserve.engine.spec_decode.train_eagle import _cached_requests
+def testcached_requests_are_reused_and_a_bad_file_is_written_again(tmp_path, bad):
+    from pdserve.engine.spec_decode.train_eagle import cached_requests
 
     answers = tmp_path / "k.self-written.jsonl"
     calls, logged = [], []
@@ -386,12 +386,12 @@ def test_cached_requests_are_reused_and_a_bad_file_is_written_again(tmp_path, ba
         calls.append(1)
         return ["Explain tides.", "Name a river."]
 
-    assert _cached_requests(answers, 3, write, logged.append) == ["Explain tides.", "Name a river."]
+    assert cached_requests(answers, 3, write, logged.append) == ["Explain tides.", "Name a river."]
     cache = tmp_path / "k.self-written.requests.json"
     assert json.loads(cache.read_text()) == ["Explain tides.", "Name a river."]
-    assert _cached_requests(answers, 3, write, logged.append) == ["Explain tides.", "Name a river."]
+    assert cached_requests(answers, 3, write, logged.append) == ["Explain tides.", "Name a river."]
     assert len(calls) == 1 and not logged  # the second call read the file
     cache.write_bytes(bad if isinstance(bad, bytes) else bad.encode())
-    assert _cached_requests(answers, 3, write, logged.append) == ["Explain tides.", "Name a river."]
+    assert cached_requests(answers, 3, write, logged.append) == ["Explain tides.", "Name a river."]
     assert len(calls) == 2 and len(logged) == 1 and str(cache) in logged[0]
     assert json.loads(cache.read_text()) == ["Explain tides.", "Name a river."]

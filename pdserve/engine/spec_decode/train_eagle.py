@@ -524,15 +524,10 @@ def frequent_token_ids(sequences: list[DistillSequence], size: int, vocab_size: 
     return order, covered
 
 
-def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, log=print,
-                       ) -> tuple[list[DistillSequence], Path, list[_Round]]:
-    """The target's answers to the prompts, generated once and cached by content hash.
-
-    Returns the sequences, the cache file's path without suffix (for derived caches), and
-    each extra self-written round.
-    """
+def lazy_target_llm(cfg: TrainEagleConfig, model_path: Path):
+    """A function returning the target as a :class:`pdserve.engine.LLM` in ``cfg.data_dtype``,
+    loaded on the first call (a run whose data is all cached never loads it)."""
     from pdserve.engine.llm import LLM
-    from pdserve.engine.loader.default_model import default_cache_dir
 
     llm = None
 
@@ -544,6 +539,33 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
             llm = LLM(str(model_path), dtype=cfg.data_dtype, device=cfg.device, load_progress=False,
                       max_model_len=2048, max_num_seqs=64 if cfg.device == "cpu" else 256)
         return llm
+
+    return target_llm
+
+
+def self_written_cache(cfg: TrainEagleConfig, model_path: Path) -> Path:
+    """Where the answers to ``cfg``'s self-written requests (``self_written_prompts`` plus
+    one in eight held out) are cached; the requests themselves are kept beside it
+    (``*.requests.json``, see :func:`cached_requests`)."""
+    from pdserve.engine.loader.default_model import default_cache_dir
+
+    count, held = cfg.self_written_prompts, max(1, cfg.self_written_prompts // 8)
+    key = data_cache_key(model_path, [PromptSpec(f"self-written {count} {held} "
+                                                 f"{cfg.hyper.seed}", True, False)],
+                         cfg.max_answer_tokens, cfg.data_dtype)
+    return default_cache_dir() / "eagle-data" / f"{key}.self-written.jsonl"
+
+
+def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, log=print,
+                       ) -> tuple[list[DistillSequence], Path, list[_Round]]:
+    """The target's answers to the prompts, generated once and cached by content hash.
+
+    Returns the sequences, the cache file's path without suffix (for derived caches), and
+    each extra self-written round.
+    """
+    from pdserve.engine.loader.default_model import default_cache_dir
+
+    target_llm = lazy_target_llm(cfg, model_path)
 
     specs = load_prompt_specs(cfg.data, cfg.num_prompts, cfg.num_held_out, cfg.hyper.seed)
     num_held = sum(s.is_held_out for s in specs)
@@ -561,14 +583,12 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
         save_sequences(cache, sequences)
     if cfg.self_written_prompts:
         count, held = cfg.self_written_prompts, max(1, cfg.self_written_prompts // 8)
-        key = data_cache_key(model_path, [PromptSpec(f"self-written {count} {held} "
-                                                     f"{cfg.hyper.seed}", True, False)],
-                             cfg.max_answer_tokens, cfg.data_dtype)
-        sw_cache = stem.parent / f"{key}.self-written.jsonl"
+        sw_cache = self_written_cache(cfg, model_path)
+        key = sw_cache.name.split(".")[0]
         if sw_cache.is_file():
             written = load_sequences(sw_cache)
         else:
-            texts = _cached_requests(sw_cache, count + held, lambda: (
+            texts = cached_requests(sw_cache, count + held, lambda: (
                 generate_self_written_prompts(target_llm(), count + held, cfg.hyper.seed,
                                               use_tqdm=use_tqdm, desc="write requests")), log)
             written = generate_answers(target_llm(), self_written_specs(texts, held),
@@ -590,7 +610,7 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
         if round_cache.is_file():
             written = load_sequences(round_cache)
         else:
-            texts = _cached_requests(round_cache, count, lambda: generate_self_written_prompts(
+            texts = cached_requests(round_cache, count, lambda: generate_self_written_prompts(
                 target_llm(), count, seed, use_tqdm=use_tqdm, openers=REQUEST_OPENERS,
                 desc=f"round {r}: write requests"), log)
             written = generate_answers(target_llm(), self_written_specs(texts, 0), max_tokens,
@@ -602,7 +622,7 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
     return sequences, stem, rounds
 
 
-def _cached_requests(answers_cache: Path, count: int, write, log=print) -> list[str]:
+def cached_requests(answers_cache: Path, count: int, write, log=print) -> list[str]:
     """Self-written requests, kept beside ``answers_cache`` (``*.requests.json``) as soon as
     they are written, so that a run stopped while answering them (the longer half of a
     round) does not write them again; ``write()`` makes them on a miss. A file that is not
