@@ -75,7 +75,7 @@ def held_out_features(cfg, model_path: Path, log=print) -> tuple[list, int]:
 
     specs = [s for s in load_prompt_specs(cfg.data, cfg.num_prompts, cfg.num_held_out,
                                           cfg.hyper.seed) if s.is_held_out]
-    sw = self_written_cache(cfg, model_path)
+    sw, _ = self_written_cache(cfg, model_path)
     key = data_cache_key(model_path, [*specs, PromptSpec(sw.name, True, True)],
                          cfg.max_answer_tokens, cfg.data_dtype)
     cache = default_cache_dir() / "eagle-data" / f"heldout-{key}.features.pt"

@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed (default: none, not reproducible)")
+    p.add_argument("--request-seed", type=int, default=None,
+                   help="per-request sampling seed (default: none, not reproducible)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)

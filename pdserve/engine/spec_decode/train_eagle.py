@@ -20,7 +20,6 @@ regression) and writes the official EAGLE-3 names (``midlayer.*``, its own ``nor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.loader.gguf_convert import file_sha256
 from pdserve.engine.spec_decode.eagle import (
     EAGLE_LAYOUTS,
     EagleConfig,
@@ -96,10 +96,6 @@ class TrainEagleConfig:
             al. 2025): the most frequent ids of the training answers; None or the target's
             vocabulary size to draft over every id.
         layout: ``"eagle1"`` (EAGLE-1/2 head) or ``"eagle3"``.
-        train_seed: seed of the head's initialization, feature noise and batch order
-            (None: ``hyper.seed``, which also samples the prompts). Another value trains on
-            the same, cached, data in another order, e.g. when continuing a head
-            (``init_from``) that was trained on it.
         aux_layer_ids: eagle3: the target layers whose inputs are fused (low, mid, high);
             empty for :func:`~.eagle.default_aux_layer_ids`.
         data_dtype: ``"float32"`` or ``"bfloat16"``: what the target runs in to write the
@@ -107,6 +103,10 @@ class TrainEagleConfig:
             fp32 either way). bfloat16 is 2-3x faster on a CPU with AVX512-BF16 and is what
             the decode worker serves in; the answers differ from float32's after a near tie,
             so each dtype has its own cache.
+        train_seed: seed of the head's initialization, feature noise and batch order
+            (None: ``hyper.seed``, which also samples the prompts). Another value trains on
+            the same, cached, data in another order, e.g. when continuing a head
+            (``init_from``) that was trained on it.
         head_intermediate_size: width of the head's MLP (None: the ``init_from`` head's,
             else the target's). With ``init_from`` a narrower head, the MLP is widened without changing its output
             (see :func:`load_init_weights`).
@@ -251,20 +251,6 @@ def init_head_folder(init_from: str | Path) -> Path:
     from pdserve.engine.spec_decode.eagle_proposer import eagle_head_path
 
     return eagle_head_path(str(init_from)).expanduser()
-
-
-def head_weights_sha256(folder: Path) -> str:
-    """The first 16 hex digits of the SHA-256 of a head folder's ``model.safetensors``
-    (which head a run continued from, recorded in its provenance).
-
-    Raises:
-        FileNotFoundError: the folder has no ``model.safetensors``.
-    """
-    h = hashlib.sha256()
-    with (Path(folder) / "model.safetensors").open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def _check_fits_target(cfg: TrainEagleConfig, model_path: Path,
@@ -543,17 +529,17 @@ def lazy_target_llm(cfg: TrainEagleConfig, model_path: Path):
     return target_llm
 
 
-def self_written_cache(cfg: TrainEagleConfig, model_path: Path) -> Path:
+def self_written_cache(cfg: TrainEagleConfig, model_path: Path) -> tuple[Path, str]:
     """Where the answers to ``cfg``'s self-written requests (``self_written_prompts`` plus
-    one in eight held out) are cached; the requests themselves are kept beside it
-    (``*.requests.json``, see :func:`cached_requests`)."""
+    one in eight held out) are cached, and the cache key in that file's name; the requests
+    themselves are kept beside it (``*.requests.json``, see :func:`cached_requests`)."""
     from pdserve.engine.loader.default_model import default_cache_dir
 
     count, held = cfg.self_written_prompts, max(1, cfg.self_written_prompts // 8)
     key = data_cache_key(model_path, [PromptSpec(f"self-written {count} {held} "
                                                  f"{cfg.hyper.seed}", True, False)],
                          cfg.max_answer_tokens, cfg.data_dtype)
-    return default_cache_dir() / "eagle-data" / f"{key}.self-written.jsonl"
+    return default_cache_dir() / "eagle-data" / f"{key}.self-written.jsonl", key
 
 
 def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, log=print,
@@ -583,8 +569,7 @@ def _self_distill_data(cfg: TrainEagleConfig, model_path: Path, use_tqdm: bool, 
         save_sequences(cache, sequences)
     if cfg.self_written_prompts:
         count, held = cfg.self_written_prompts, max(1, cfg.self_written_prompts // 8)
-        sw_cache = self_written_cache(cfg, model_path)
-        key = sw_cache.name.split(".")[0]
+        sw_cache, key = self_written_cache(cfg, model_path)
         if sw_cache.is_file():
             written = load_sequences(sw_cache)
         else:
@@ -877,7 +862,8 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         "init_from": (None if cfg.init_from is None else "default" if cfg.init_from == "default"
                       else str(init_head_folder(cfg.init_from).resolve())),
         "init_from_sha256": (None if cfg.init_from is None
-                             else head_weights_sha256(init_head_folder(cfg.init_from))),
+                             else file_sha256(init_head_folder(cfg.init_from)
+                                              / "model.safetensors")[:16]),
         "target": model_path.name,
         "data": cfg.data,
         "num_prompts": cfg.num_prompts,
