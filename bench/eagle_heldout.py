@@ -145,6 +145,13 @@ def main() -> None:
                            max_answer_tokens=args.max_answer_tokens,
                            self_written_prompts=args.self_written_prompts,
                            data_dtype=args.data_dtype, hyper=TrainHyperParams(seed=args.seed))
+    folders = {}
+    for name in args.heads.split(","):  # before any data is made
+        folders[name] = eagle_head_path(name)
+        if not (folders[name] / "config.json").is_file():
+            print(f"eagle_heldout.py: error: --heads {name!r}: no EAGLE head there "
+                  f"({folders[name]} has no config.json)", file=sys.stderr)
+            sys.exit(2)
     model_path = resolve_model(None)
     held, num_text = held_out_features(cfg, model_path)
     target = load_target_model(model_path, 1024, torch.float32, "cpu")
@@ -152,8 +159,8 @@ def main() -> None:
             "  of it: self-written requests": held[num_text:]}
     if not args.no_fresh:
         sets.update(fresh_features(model_path, target))
-    for name in args.heads.split(","):
-        head = load_eagle_model(eagle_head_path(name), target,
+    for name, folder in folders.items():
+        head = load_eagle_model(folder, target,
                                 TorchAttentionBackend(torch.device("cpu")), 1024,
                                 torch.float32).eval()
         print(f"head {name}:")

@@ -212,6 +212,9 @@ def test_train_eagle_runs_end_to_end_and_caches_each_self_written_round(
     assert cont["pdserve_provenance"]["init_from"] == "default"
     weights = hashlib.sha256((shipped / "model.safetensors").read_bytes()).hexdigest()[:16]
     assert cont["pdserve_provenance"]["init_from_sha256"] == weights
+    assert f"Continued from the head `default` (model.safetensors SHA-256 {weights}...)" in (
+        tmp_path / "cont" / "README.md").read_text()
+    assert "- A new head." in (tmp_path / "head" / "README.md").read_text()
     # --data-dtype bfloat16: the data made in bf16 is cached apart, never mixed with fp32's
     before = {f.name for f in data.glob("*.jsonl")}
     assert main([*argv, "--data-dtype", "bfloat16", "--out", str(tmp_path / "bf16")]) == 0

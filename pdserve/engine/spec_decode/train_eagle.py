@@ -672,8 +672,9 @@ def _cap_tokens(sequences: list[DistillSequence], max_tokens: int | None,
 
 
 def write_readme(out: Path, result: TrainEagleResult, cfg: TrainEagleConfig,
-                 model_name: str) -> None:
-    """``README.md``: how the head was made and how well it drafts."""
+                 model_name: str, init_from: tuple[str, str] | None = None) -> None:
+    """``README.md``: how the head was made and how well it drafts; ``init_from`` is
+    ``(name or path, weights hash)`` of the head training continued from."""
     est, hist = result.estimate, result.history
     per_pos = ", ".join(f"{r:.3f}" for r in est.acceptance_rates)
     tail = hist.losses[-20:] or [float("nan")]
@@ -740,6 +741,8 @@ Sampling Requires Rethinking Feature Uncertainty"). Layout: {layout}. Serve with
   sequence{"" if result.num_held_out_sequences == 1 else "s"} ({held_from}).
 
 ## Training
+- {"A new head." if init_from is None else
+   f"Continued from the head `{init_from[0]}` (model.safetensors SHA-256 {init_from[1]}...)."}
 - Loss: {loss} against the target's
   top-8 next-token distribution, answer positions only; {noise}; unrolled steps (training-time test) {cfg.hyper.unroll_steps};
   softmax of the loss over {hist.loss_vocab_size or "all"} ids ({vocab_line}).
@@ -894,5 +897,6 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
             k: round(v.mean_acceptance_length, 4) for k, v in by_source.items()},
     }
     save_head(head, out, provenance)
-    write_readme(out, result, cfg, model_path.name)
+    write_readme(out, result, cfg, model_path.name, None if cfg.init_from is None else (
+        provenance["init_from"], provenance["init_from_sha256"]))
     return result
