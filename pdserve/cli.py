@@ -235,6 +235,15 @@ def _add_model_arg(p: argparse.ArgumentParser) -> None:
                    help="name clients send as `model` (default: derived from the model)")
 
 
+def _cpu_list(value: str) -> tuple[int, ...]:
+    from pdserve.cpu_affinity import parse_cpu_list
+
+    try:
+        return parse_cpu_list(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _port(value: str) -> int:
     port = int(value)
     if not 0 < port < 65536:
@@ -279,6 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-decode", type=int, default=1, help="decode worker processes")
     p.add_argument("--colocated", action="store_true",
                    help="one decode worker that prefills everything itself")
+    p.add_argument("--decode-cpus", type=_cpu_list, default=None,
+                   help="cores every decode worker runs on, one torch thread each (default: "
+                        "the available cores split among the decode workers)")
+    p.add_argument("--prefill-cpus", type=_cpu_list, default=None,
+                   help="cores every prefill worker runs on, one torch thread each (default: "
+                        "the available cores split among the prefill workers, with one "
+                        "thread fewer than cores when decode workers share them)")
     _add_routing_args(p)
     _add_kv_args(p, "serve")
     add_engine_args(p)
@@ -305,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve this worker's Prometheus /metrics on this port (0: off)")
         p.add_argument("--metrics-host", default="127.0.0.1",
                        help="address the /metrics server binds")
+        p.add_argument("--cpus", type=_cpu_list, default=None,
+                       help="cores to run on, e.g. 0-3,6 (default: every core this process "
+                            "may use)")
+        p.add_argument("--threads", type=int, default=None,
+                       help="torch threads (default: one per core of --cpus)")
         _add_kv_args(p, role)
         add_engine_args(p)
         p.set_defaults(func=func)

@@ -14,6 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdserve.cpu_affinity import (
+    apply_worker_cpus,
+    available_cpus,
+    format_cpu_list,
+    plan_worker_cpus,
+)
+
 logger = logging.getLogger(__name__)
 
 #: Seconds a child worker gets to exit after SIGTERM before SIGKILL.
@@ -197,14 +204,16 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     num_decode = 1 if args.colocated else args.num_decode
     kv_argv = ["--kv-transport", args.kv_transport,
                "--kv-transfer-timeout", str(args.kv_transfer_timeout)]
+    prefill_plans, decode_plans = plan_worker_cpus(
+        available_cpus(), num_prefill, num_decode, args.prefill_cpus, args.decode_cpus)
     workers = [spawn_worker("decode-worker", args.model, state.router.address,
-                            engine_argv + kv_argv, f"decode-{os.getpid()}-{i}")
-               for i in range(num_decode)]
+                            engine_argv + kv_argv + plan.argv(), f"decode-{os.getpid()}-{i}")
+               for i, plan in enumerate(decode_plans)]
     workers += [spawn_worker("prefill-worker", args.model, state.router.address,
-                             engine_argv + kv_argv + ["--kv-transfer-dtype",
-                                                      args.kv_transfer_dtype],
+                             engine_argv + kv_argv + plan.argv() + [
+                                 "--kv-transfer-dtype", args.kv_transfer_dtype],
                              f"prefill-{os.getpid()}-{i}")
-                for i in range(num_prefill)]
+                for i, plan in enumerate(prefill_plans)]
     try:
         return asyncio.run(_serve_http(state, args.host, args.port, workers, True))
     finally:
@@ -230,6 +239,9 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     if not 0 <= args.metrics_port < 65536:
         raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     role = "decode" if args.command == "decode-worker" else "prefill"
+    applied = apply_worker_cpus(args.cpus, args.threads)
+    logger.info("%s worker on cores %s with %d torch threads", role,
+                format_cpu_list(applied.cpus), applied.num_threads)
     config = engine_config_from_args(args, args.model)
     if role == "prefill":  # it samples one token per request: nothing to speculate on
         config = dataclasses.replace(config, speculative_method="none", speculative_model=None,

@@ -24,7 +24,7 @@ from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode.rejection_sampler import RejectionSampler
-from pdserve.engine.quantization import load_model_weights, weight_memory
+from pdserve.engine.quantization import load_model_weights, prepare_cpu_gemms, weight_memory
 
 
 @contextmanager
@@ -100,6 +100,8 @@ def load_model(arch: ModelArchConfig, checkpoint: Checkpoint, dtype: torch.dtype
     model.eval()
     if use_fp32_gemm:
         swap_to_fp32_gemm(model)
+    if device.type == "cpu":
+        prepare_cpu_gemms(model, dtype)
     return model
 
 

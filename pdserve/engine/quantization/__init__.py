@@ -28,6 +28,7 @@ __all__ = [
     "ResolvedQuantization",
     "WeightMemory",
     "load_model_weights",
+    "prepare_cpu_gemms",
     "resolve_quantization",
     "weight_memory",
 ]
@@ -72,3 +73,15 @@ def load_model_weights(model: nn.Module, arch: ModelArchConfig, checkpoint: Chec
     else:
         load_quantized(model, arch, checkpoint, resolved.method, dtype, gemm_dtype, skip,
                        resolved.dequantize_all)
+
+
+def prepare_cpu_gemms(model: nn.Module, dtype: torch.dtype) -> int:
+    """Build every quantized layer's packed CPU GEMMs for ``dtype`` activations now, at
+    load, instead of in the first request's step; returns how many layers have them."""
+    from pdserve.engine.quantization.base import QuantizedLinear  # noqa: PLC0415
+    from pdserve.engine.quantization.cpu_packed import PACKED_ACTIVATION_DTYPES  # noqa: PLC0415
+
+    if dtype not in PACKED_ACTIVATION_DTYPES:
+        return 0
+    return sum(mod.cpu_gemms(dtype) is not None for mod in model.modules()
+               if isinstance(mod, QuantizedLinear))

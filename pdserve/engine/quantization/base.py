@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.quantization.cpu_packed import PACKED_ACTIVATION_DTYPES, packed_cpu_forward
+
 #: Largest dequantized slab (elements) one layer materializes at a time: 8 Mi fp32 = 32 MiB.
 DEFAULT_MAX_SCRATCH_ELEMS = 8 * 1024 * 1024
 
@@ -60,8 +62,29 @@ class QuantizedLinear(nn.Module):
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers()
                    if name != "bias" and b is not None)
 
+    def build_cpu_gemms(self, dtype: torch.dtype) -> list | None:
+        """Packed CPU GEMMs for ``dtype`` activations, one per output-row segment (see
+        :mod:`.cpu_packed`), or None where this layer has none (the slab path runs)."""
+        return None
+
+    def cpu_gemms(self, dtype: torch.dtype) -> list | None:
+        """:meth:`build_cpu_gemms`, built once per layer and activation dtype."""
+        cache = self.__dict__.setdefault("_cpu_gemms", {})
+        if dtype not in cache:
+            cache[dtype] = self.build_cpu_gemms(dtype)
+        return cache[dtype]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [num_tokens, in_features] -> [num_tokens, out_features]`` in ``x.dtype``."""
+        """``x [num_tokens, in_features] -> [num_tokens, out_features]`` in ``x.dtype``.
+
+        On CPU with bf16/fp16 activations, layers with packed CPU GEMMs run those; others
+        dequantize slabs.
+        """
+        if x.device.type == "cpu" and x.dtype in PACKED_ACTIVATION_DTYPES:
+            gemms = self.cpu_gemms(x.dtype)
+            if gemms is not None:
+                y = packed_cpu_forward(gemms, x, self.out_features)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
         xg = x.to(self.gemm_dtype)
         step = self.max_rows_per_slab
         if step >= self.out_features:

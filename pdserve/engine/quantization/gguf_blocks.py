@@ -47,6 +47,30 @@ def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * _nibbles_32(blocks[:, 4:20]).float() + _f16(blocks, 2)
 
 
+def q4_blocks_as_int4(ggml_type: T, packed: torch.Tensor, num_cols: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0/Q4_1 rows as 4-bit codes with per-block scale and offset, ``w = (q - 8) * scale
+    + offset`` (Q4_0: ``offset = 0``; Q4_1, ``w = d q + m``: ``offset = m + 8 d``).
+
+    Args:
+        packed: ``[rows, num_cols / 32 * block_bytes]`` uint8 blocks.
+
+    Returns:
+        ``(codes [rows, num_cols] uint8 in 0..15, scales [rows, num_cols / 32] float32,
+        offsets [rows, num_cols / 32] float32)``.
+    """
+    rows = packed.shape[0]
+    blocks = packed.reshape(-1, 18 if ggml_type == T.Q4_0 else 20)
+    d = _f16(blocks, 0)  # [rows * num_blocks, 1]
+    if ggml_type == T.Q4_0:
+        codes, offsets = _nibbles_32(blocks[:, 2:18]), torch.zeros_like(d)
+    elif ggml_type == T.Q4_1:
+        codes, offsets = _nibbles_32(blocks[:, 4:20]), _f16(blocks, 2) + 8.0 * d
+    else:
+        raise ValueError(f"q4_blocks_as_int4 takes Q4_0/Q4_1 blocks, got {ggml_type.name}")
+    return codes.reshape(rows, num_cols), d.reshape(rows, -1), offsets.reshape(rows, -1)
+
+
 def _k4_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack Q4_K's 12 scale bytes into 8 six-bit scales and 8 six-bit mins, ``[n, 8]`` each."""
     s = s.to(torch.int32)

@@ -8,7 +8,12 @@ import gguf
 import torch
 
 from pdserve.engine.quantization.base import DEFAULT_MAX_SCRATCH_ELEMS, QuantizedLinear
-from pdserve.engine.quantization.gguf_blocks import BLOCK_DEQUANTIZERS, dequantize_rows
+from pdserve.engine.quantization.cpu_packed import Int4CpuGemm, Int8CpuGemm, int4_layout_fits
+from pdserve.engine.quantization.gguf_blocks import (
+    BLOCK_DEQUANTIZERS,
+    dequantize_rows,
+    q4_blocks_as_int4,
+)
 
 
 @dataclass
@@ -80,6 +85,20 @@ class GGUFLinear(QuantizedLinear):
                 pieces.append(dequantize_rows(ggml_type, packed[lo - first:hi - first]))
         w = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return w.to(dtype)
+
+    def build_cpu_gemms(self, dtype: torch.dtype) -> list:
+        """Per segment: Q4_0/Q4_1 as packed int4 (exact: scale ``d``, offset ``0`` or
+        ``m + 8 d``); other types as per-channel int8 of the dequantized rows."""
+        gemms = []
+        for ggml_type, _, packed in self.segments():
+            rows = packed.shape[0]
+            if (ggml_type in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+                    and int4_layout_fits(rows, self.in_features, 32)):
+                codes, scales, offsets = q4_blocks_as_int4(ggml_type, packed, self.in_features)
+                gemms.append(Int4CpuGemm(codes, scales, offsets, 32, dtype))
+            else:
+                gemms.append(Int8CpuGemm(dequantize_rows(ggml_type, packed), dtype))
+        return gemms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.quantization.base import DEFAULT_MAX_SCRATCH_ELEMS, QuantizedLinear
+from pdserve.engine.quantization.cpu_packed import Int4CpuGemm, Int8CpuGemm, int4_layout_fits
 from pdserve.engine.quantization.int_weight import IntWeight
 
 
@@ -30,8 +31,9 @@ class IntLinear(QuantizedLinear):
         g_idx    [in] int32, only for act-order checkpoints
 
     On CUDA with Triton the forward pass runs the fused W4A16 kernel of
-    :mod:`pdserve.engine.quantization.kernels.w4a16`; elsewhere it dequantizes slabs
-    (see :class:`~.base.QuantizedLinear`).
+    :mod:`pdserve.engine.quantization.kernels.w4a16`; on CPU with bf16/fp16 activations,
+    torch's packed int4/int8 kernels (:meth:`build_cpu_gemms`); elsewhere it dequantizes
+    slabs (see :class:`~.base.QuantizedLinear`).
 
     Args:
         weight: the unpacked weight (any device; buffers follow it).
@@ -73,6 +75,18 @@ class IntLinear(QuantizedLinear):
         gi = (self.g_idx.long() if self.g_idx is not None
               else torch.arange(self.in_features, device=codes.device) // self.group_size)
         return ((codes.float() - z[:, gi]) * s[:, gi]).to(dtype)
+
+    def build_cpu_gemms(self, dtype: torch.dtype) -> list:
+        """int4 in a layout the CPU int4 kernel takes (no ``g_idx``, ``in`` a multiple of a
+        group size it supports): exact, ``offset = (8 - z) * s``; anything else: per-channel
+        int8 of the dequantized weight (see :mod:`.cpu_packed`)."""
+        if (self.bits == 4 and self.g_idx is None
+                and int4_layout_fits(self.out_features, self.in_features, self.group_size)):
+            s = self.scales.float()
+            offsets = (8.0 - self.zeros.float()) * s
+            return [Int4CpuGemm(unpack_nibbles(self.qweight), s, offsets, self.group_size,
+                                dtype)]
+        return [Int8CpuGemm(self.dequantize(torch.float32), dtype)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.bits == 4 and self.g_idx is None:
