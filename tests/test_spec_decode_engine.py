@@ -260,3 +260,15 @@ def test_disable_by_batch_size_must_be_a_count():
 
     with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
         EngineConfig(speculative_disable_by_batch_size=-1)
+
+
+def test_drafting_stops_at_the_methods_measured_batch_size_by_default():
+    from pdserve.engine.config import DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+
+    assert EngineConfig(speculative_method="ngram").spec_disable_batch_size == \
+        DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE["ngram"] > 0
+    assert EngineConfig(speculative_method="ngram",
+                        speculative_disable_by_batch_size=0).spec_disable_batch_size == 0
+    assert EngineConfig(speculative_method="ngram",
+                        speculative_disable_by_batch_size=9).spec_disable_batch_size == 9
+    assert EngineConfig().spec_disable_batch_size == 0  # no speculation: nothing to stop

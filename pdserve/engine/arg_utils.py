@@ -6,7 +6,13 @@ import argparse
 import dataclasses
 import re
 
-from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig
+from pdserve.engine.config import (
+    DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
 from pdserve.engine.quantization.cli_args import (
     add_quantization_args,
     parse_skip_list,
@@ -56,9 +62,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="end a draft chain once the drafter's probability of the whole chain "
                         "(product over its tokens) falls below this (model drafters; 0 = "
                         "always draft k tokens)")
-    s.add_argument("--speculative-disable-by-batch-size", type=int, default=0,
+    s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="draft nothing while at least this many requests are running (large "
-                        "batches gain nothing from speculation on CPU); 0 = never")
+                        "batches gain nothing from speculation); 0 = never (default: the "
+                        "method's measured crossover: "
+                        + ", ".join(f"{m} {n}" for m, n in
+                                    DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE.items()) + ")")
     add_quantization_args(g)
 
 
@@ -154,7 +163,9 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--speculative-method", args.speculative_method,
              "--num-speculative-tokens", str(args.num_speculative_tokens),
              "--speculative-draft-confidence", str(args.speculative_draft_confidence),
-             "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
+             ]
+    if args.speculative_disable_by_batch_size is not None:
+        argv += ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
     if args.speculative_model:
         argv += ["--speculative-model", args.speculative_model]
     if args.enforce_eager:

@@ -21,6 +21,11 @@ DTYPES: dict[str, torch.dtype | None] = {
 
 #: ``EngineConfig.speculative_method`` values (see :mod:`pdserve.engine.spec_decode`).
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "eagle")
+#: Running requests from which each speculative method drafts nothing by default
+#: (``EngineConfig.speculative_disable_by_batch_size=None``): the batch size where its
+#: tokens/s fell below plain decoding's (``bench/spec_decode.py``, SmolLM2 bf16, 2-core CPUs).
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE: dict[str, int] = {"eagle": 4, "draft": 2, "ngram": 4}
+
 #: ``EngineConfig.kv_cache_dtype`` values: "auto" stores K/V in the compute dtype, "fp8" in
 #: float8_e4m3fn with one fp32 scale per (layer, K/V, block, KV head), the KV wire format's.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
@@ -54,11 +59,13 @@ class EngineConfig:
     verification rows. The token that fell below is still proposed. Output is unchanged
     (verification alone decides what is emitted).
 
-    ``speculative_disable_by_batch_size`` (0 = never) drafts nothing in a step after which
-    at least this many requests are running: a large batch already fills the GEMMs that
-    made verification nearly free at small batches, so drafts there cost more than they
-    save (vLLM's option of the same name). Model drafters still ingest the step's tokens,
-    so their caches stay complete for when the batch shrinks again.
+    ``speculative_disable_by_batch_size`` (0 = never; None = the method's default in
+    :data:`DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE`) drafts nothing in a step after which at least
+    this many requests are running: a large batch already fills the GEMMs that made
+    verification nearly free at small batches, so drafts there cost more than they save
+    (vLLM's option of the same name). Model drafters still ingest the step's tokens, so
+    their caches stay complete for when the batch shrinks again.
+    :attr:`spec_disable_batch_size` is the resolved value.
 
     Raises:
         ValueError: naming the field, for any invalid value.
@@ -82,7 +89,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_model: str | None = None
     speculative_draft_confidence: float = 0.0
-    speculative_disable_by_batch_size: int = 0
+    speculative_disable_by_batch_size: int | None = None
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None
@@ -141,8 +148,9 @@ class EngineConfig:
                 and 0.0 <= self.speculative_draft_confidence < 1.0):
             raise ValueError("speculative_draft_confidence must be a number in [0, 1), "
                              f"got {self.speculative_draft_confidence!r}")
-        if not isinstance(self.speculative_disable_by_batch_size, int) \
-                or self.speculative_disable_by_batch_size < 0:
+        if self.speculative_disable_by_batch_size is not None and (
+                not isinstance(self.speculative_disable_by_batch_size, int)
+                or self.speculative_disable_by_batch_size < 0):
             raise ValueError("speculative_disable_by_batch_size must be an integer >= 0 "
                              f"(0 = never), got {self.speculative_disable_by_batch_size!r}")
         needs_model = self.speculative_method in ("draft", "eagle")
@@ -168,6 +176,14 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def spec_disable_batch_size(self) -> int:
+        """Running requests from which no drafts are made (0 = never): the configured
+        ``speculative_disable_by_batch_size``, else the method's default."""
+        if self.speculative_disable_by_batch_size is not None:
+            return self.speculative_disable_by_batch_size
+        return DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE.get(self.speculative_method, 0)
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The compute dtype: the configured one, or bf16 for "auto"."""

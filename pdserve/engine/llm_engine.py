@@ -326,7 +326,7 @@ class LLMEngine:
                 num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time_s,
             ))
         if self.proposer is not None:
-            cap = self.config.speculative_disable_by_batch_size
+            cap = self.config.spec_disable_batch_size
             self.proposer.propose(sched, [s.request for s in sched.scheduled
                                          if s.request.request_id not in finished],
                                   allow_drafts=not cap or len(self.scheduler.running) < cap)

@@ -90,15 +90,18 @@ class Int8CpuGemm:
 
     Args:
         weight: ``[out, in]`` float, the logical weight (quantized here: ``scale =
-            max|w_row| / 127``, ``q = round(w / scale)``).
+            max|w_row| / 127`` rounded up to ``dtype``, ``q = round(w / scale)``).
         dtype: activation dtype the layer will be called with (bf16 or fp16).
     """
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> None:
         w = weight.float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-        self.qweight = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        self.scales = scale.to(dtype)  # [out]
+        # The kernel takes scales in the activation dtype: round them first (up by 2^-8 so
+        # the largest weight still fits in 127 after the 2^-9 rounding) and quantize with
+        # the rounded value, so the only error is the code's own rounding.
+        scale = (w.abs().amax(dim=1) / 127.0 * (1 + 2**-8)).clamp(min=1e-30).to(dtype)
+        self.qweight = (w / scale.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.scales = scale  # [out]
         self.out_features = w.shape[0]
 
     @property
