@@ -263,7 +263,7 @@ def test_disable_by_batch_size_must_be_a_count():
 
 
 def test_drafting_stops_at_the_methods_measured_batch_size_by_default():
-    from pdserve.engine.config import DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+    from pdserve.engine.config import DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE, EngineConfig
 
     assert EngineConfig(speculative_method="ngram").spec_disable_batch_size == \
         DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE["ngram"] > 0
