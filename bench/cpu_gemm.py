@@ -4,10 +4,14 @@ Times one decode step's dense GEMMs of SmolLM2-135M-Instruct's shapes (30 layers
 q/k/v, o, gate/up and down projections plus the 49,152-row LM head; random fp32 weights,
 ~530 MB, so every step streams them from memory as serving does) at several row counts
 (batch size, or batch x (k+1) under speculative decoding), and prints milliseconds per
-step and the ratio. ``--all-rows`` prints F.linear and the unpadded NN form for every row
+step and the ratio. ``--weights`` adds the weight formats a decode step can read instead
+of fp32: ``bf16`` (``F.linear`` on bf16 weights and activations, the path bf16 models take
+for 1-2 rows), ``int8`` and ``int4`` (torch's packed CPU kernels of
+``pdserve/engine/quantization/cpu_packed.py``, bf16 activations). ``--all-rows`` prints F.linear and the unpadded NN form for every row
 count 1..96, which is how ``PADDED_ROWS`` in ``pdserve/engine/layers/linear.py`` was chosen.
 
     python bench/cpu_gemm.py [--rows 1,2,4,5,16,80] [--threads 2] [--all-rows]
+        [--weights bf16,int8,int4]
 """
 
 from __future__ import annotations
@@ -38,6 +42,33 @@ def step_fn(weights: list[torch.Tensor], rows: int, form: str):
     return run
 
 
+def packed_step_fn(weights: list[torch.Tensor], rows: int, form: str):
+    """One step over ``weights`` in ``form`` (bf16 / int8 / int4), bf16 activations."""
+    from pdserve.engine.quantization.cpu_packed import Int4CpuGemm, Int8CpuGemm
+
+    def int4(w: torch.Tensor) -> Int4CpuGemm:
+        out, cols = w.shape
+        g = w.view(out, cols // 32, 32)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-6)
+        codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).view(out, cols)
+        return Int4CpuGemm(codes, scale, lo + 8 * scale, 32)
+
+    if form == "bf16":
+        gemms = [lambda x, w=w.bfloat16(): F.linear(x, w) for w in weights]
+    elif form == "int8":
+        gemms = [Int8CpuGemm(w) for w in weights]
+    else:
+        gemms = [int4(w) for w in weights]
+    xs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in (HIDDEN, INTERMEDIATE)}
+    shapes = [w.shape[1] for w in weights]
+
+    def run() -> None:
+        for g, cols in zip(gemms, shapes):
+            g(xs[cols])
+    return run
+
+
 def best_ms(fn, reps: int) -> float:
     fn()
     best = float("inf")
@@ -54,6 +85,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--all-rows", action="store_true")
+    p.add_argument("--weights", default="",
+                   help="also time these weight formats: bf16, int8, int4 (comma-separated)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -64,10 +97,17 @@ def main() -> None:
     weights.append(torch.randn(VOCAB, HIDDEN))
     forms = ("linear", "nn") if args.all_rows else ("linear", "cpu_linear")
     rows_list = range(1, 97) if args.all_rows else [int(r) for r in args.rows.split(",")]
-    print(f"rows  {forms[0]:>9s} ms  {forms[1]:>11s} ms  ratio")
+    extra = [f for f in args.weights.split(",") if f]
+    bad = [f for f in extra if f not in ("bf16", "int8", "int4")]
+    if bad:
+        p.error(f"--weights: unknown format(s) {bad}; choose from bf16, int8, int4")
+    print(f"rows  {forms[0]:>9s} ms  {forms[1]:>11s} ms  ratio"
+          + "".join(f"  {f:>7s} ms" for f in extra))
     for rows in rows_list:
         a, b = (best_ms(step_fn(weights, rows, f), args.reps) for f in forms)
-        print(f"{rows:4d}  {a:12.1f}  {b:14.1f}  {b / a:5.2f}x", flush=True)
+        more = "".join(f"  {best_ms(packed_step_fn(weights, rows, f), args.reps):10.1f}"
+                       for f in extra)
+        print(f"{rows:4d}  {a:12.1f}  {b:14.1f}  {b / a:5.2f}x{more}", flush=True)
 
 
 if __name__ == "__main__":

@@ -226,16 +226,18 @@ def run_scenario(name: str, args, llm, rng, codec, tokenizer) -> dict:
             for _ in range(2):  # warm the decode shape
                 engine.step()
             steps = 3
-            t0 = time.perf_counter()
             if profiled:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    t0 = time.perf_counter()
                     for _ in range(steps):
                         deltas = engine.step()
+                    seconds = time.perf_counter() - t0
             else:
                 prof = None
+                t0 = time.perf_counter()
                 for _ in range(steps):
                     deltas = engine.step()
-            seconds = time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
         finish(ids)
         return seconds, steps, deltas, prof
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.layers.linear import (
+    MAX_BF16_GEMV_ROWS,
     MAX_PADDED_ROWS,
     PADDED_ROWS,
     Fp32GemmLinear,
@@ -60,3 +61,21 @@ def test_wants_fp32_gemm():
     cpu = torch.device("cpu")
     assert wants_fp32_gemm(cpu, torch.float32)
     assert not wants_fp32_gemm(torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_bf16_layer_rows_match_a_bf16_gemm_with_fp32_accumulation(rows):
+    """1-2 bf16 rows take the bf16 GEMV, more take the fp32 GEMM: both equal the product of
+    the bf16-rounded weight with fp32 accumulation, rounded to bf16 (one bf16 step)."""
+    gen = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(256, 96, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 256, generator=gen).bfloat16().float())
+        lin.bias.copy_(torch.randn(96, generator=gen).bfloat16().float())
+    layer = Fp32GemmLinear(lin)
+    x = torch.randn(rows, 256, generator=gen).bfloat16()
+    ref = (x.double() @ lin.weight.double().t() + lin.bias.double()).float()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-2)
+    assert ("_weight_bf16" in layer.__dict__) == (rows <= MAX_BF16_GEMV_ROWS)
