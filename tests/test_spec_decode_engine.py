@@ -62,7 +62,8 @@ def _mixed_params(plain: list[list[int]]) -> list[SamplingParams]:
 def _spec_llm(path, method: str, **kw) -> LLM:
     model = str(path) if method == "draft" else None
     return LLM(str(path), dtype="float32", load_progress=False, speculative_method=method,
-               num_speculative_tokens=K, speculative_model=model, **kw)
+               num_speculative_tokens=K, speculative_model=model,
+               **{"speculative_disable_by_batch_size": 0, **kw})  # draft at any batch
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -173,7 +174,8 @@ def test_eagle_greedy_output_equals_plain_decoding(qwen3, eagle_head):
     params = _mixed_params(plain)
     expected = _greedy(LLM(str(path), dtype="float32", load_progress=False), prompts, params)
     llm = LLM(str(path), dtype="float32", load_progress=False, speculative_method="eagle",
-              num_speculative_tokens=K, speculative_model=str(eagle_head))
+              num_speculative_tokens=K, speculative_model=str(eagle_head),
+              speculative_disable_by_batch_size=0)
     assert _greedy(llm, prompts, params) == expected
     assert llm.engine.spec_stats.num_drafts > 0
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
@@ -188,7 +190,7 @@ def _check_draft_confidence(path, plain, method: str, model: str) -> None:
     for threshold in (0.0, 0.01, 0.999):
         llm = LLM(str(path), dtype="float32", load_progress=False, speculative_method=method,
                   num_speculative_tokens=K, speculative_model=model,
-                  speculative_draft_confidence=threshold)
+                  speculative_draft_confidence=threshold, speculative_disable_by_batch_size=0)
         assert _greedy(llm, prompts, params) == expected
         stats = llm.engine.spec_stats
         per_draft[threshold] = stats.num_draft_tokens / stats.num_drafts

@@ -56,7 +56,8 @@ def test_greedy_tokens_equal_plain_decoding(prompts_and_plain, method):
     model = {"ngram": None, "draft": str(resolve_model(None)),
              "eagle": "default"}[method]
     llm = LLM(None, dtype="float32", load_progress=False, speculative_method=method,
-              num_speculative_tokens=4, speculative_model=model)
+              num_speculative_tokens=4, speculative_model=model,
+              speculative_disable_by_batch_size=0)  # draft at any batch
     got = [o.outputs[0].token_ids
            for o in llm.generate(prompts, _params(), detokenize=False)]
     stats = llm.engine.spec_stats

@@ -221,7 +221,8 @@ def test_eagle3_head_trains_on_fused_features_saves_reloads_and_drafts_losslessl
     params = SamplingParams(temperature=0.0, max_tokens=16)
     plain = LLM(str(tiny_dir), dtype="float32", load_progress=False, num_kv_blocks=128)
     spec = LLM(str(tiny_dir), dtype="float32", load_progress=False, num_kv_blocks=128,
-               speculative_method="eagle", speculative_model=str(out), num_speculative_tokens=3)
+               speculative_method="eagle", speculative_model=str(out), num_speculative_tokens=3,
+               speculative_disable_by_batch_size=0)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, detokenize=False)]
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params,
                                                                   detokenize=False)]

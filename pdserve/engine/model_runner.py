@@ -3,11 +3,13 @@ KV cache, computes logits only for rows that sample, and samples them."""
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from pdserve.engine.attention import AttentionInputs, get_backend
@@ -105,6 +107,17 @@ def load_model(arch: ModelArchConfig, checkpoint: Checkpoint, dtype: torch.dtype
     return model
 
 
+def _zeros_committed_on_touch(shape: tuple[int, ...], dtype: torch.dtype,
+                              device: torch.device) -> torch.Tensor:
+    """``torch.zeros(shape, dtype)``; on CPU from ``calloc`` (numpy's zeros), whose large
+    blocks are fresh zero pages the OS commits only when first written: the KV cache's
+    resident memory grows with the blocks in use instead of the whole budget at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def _available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -150,11 +163,9 @@ class ModelRunner:
                 "max_model_len"
             )
         # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
+        self.kv_cache = _zeros_committed_on_touch(
             (arch.num_layers, 2, self.num_kv_blocks, self.block_size, arch.num_kv_heads,
-             arch.head_dim),
-            dtype=self.kv_cache_dtype, device=self.device,
-        )
+             arch.head_dim), self.kv_cache_dtype, self.device)
         # FP8 only: [num_layers, 2 (K, V), num_blocks, num_kv_heads] fp32, the wire format's.
         self.kv_scales: torch.Tensor | None = None
         if self.is_fp8_kv_cache:

@@ -185,6 +185,7 @@ class TorchAttentionBackend:
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        q_dtype = q.dtype
         k_scales, v_scales = kv_scales if kv_scales is not None else (None, None)
         if kv_scales is None:
             k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
@@ -195,11 +196,13 @@ class TorchAttentionBackend:
             store_kv_reference(k, k_cache, metadata.slot_mapping, k_scales)
             store_kv_reference(v, v_cache, metadata.slot_mapping, v_scales)
 
-        out = torch.empty_like(q)
-        out_dtype = q.dtype
         dtype = self._compute_dtype(q.dtype)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         nd = metadata.num_decodes
+        if nd and not metadata.prefills:  # a decode-only step: the output is SDPA's own
+            out = None
+        else:
+            out = torch.empty_like(q)
+        q = q.to(dtype)
         if nd:
             group = q.shape[1] // num_kv_heads
             # Query heads sharing a KV head become rows of one attention: no K/V repeat.
@@ -213,7 +216,10 @@ class TorchAttentionBackend:
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=metadata.decode_mask, scale=scale
             )
-            out[:nd] = od.reshape(nd, -1, head_dim)
+            od = od.reshape(nd, -1, head_dim)
+            if out is None:
+                return od.to(q_dtype)
+            out[:nd] = od
         for p in metadata.prefills:
             sl = slice(p.query_start, p.query_start + p.query_len)
             # Operands are 4-D [1, heads, n, D]: torch's CPU flash-attention kernel (GQA,
@@ -221,7 +227,8 @@ class TorchAttentionBackend:
             # which materializes [H, n, L] scores (13x slower at 1,500 tokens, measured).
             qp = q[sl].transpose(0, 1)[None]  # [1, H, n, D]
             if p.context_slots is None:
-                kp, vp = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
+                kp = k[sl].to(dtype).transpose(0, 1)[None]
+                vp = v[sl].to(dtype).transpose(0, 1)[None]
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
                 )

@@ -84,6 +84,42 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        # rotate_half(x) * sin == roll(x, D/2) * signed_sin with signed_sin = [-sin1, sin2]
+        half = head_dim // 2
+        signed = emb.sin()
+        signed[:, :half] = -signed[:, :half]
+        self.register_buffer("signed_sin_cached", signed, persistent=False)
+        self.half = half
+        #: ``(positions, dtype, cos, signed_sin)`` of the last call: every layer of a forward
+        #: passes the same ``positions`` tensor, so the tables are gathered once. Models call
+        #: :meth:`forget` as each forward starts (a tensor may be refilled in place).
+        self._last: tuple | None = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)`` rows of ``positions``, each ``[num_tokens, 1, head_dim]``
+        in ``dtype`` (``signed_sin`` has its first half negated; see :meth:`rotate`)."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        cos = self.cos_cached[positions].to(dtype).unsqueeze(1)
+        sin = self.signed_sin_cached[positions].to(dtype).unsqueeze(1)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
+
+    def forget(self) -> None:
+        """Drop the tables kept from the last call. A model calls this as its forward starts:
+        its ``positions`` may be the same tensor refilled in place (CUDA graphs' static
+        inputs, a drafter's step), and a CUDA graph must capture the gather itself."""
+        self._last = None
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [num_tokens, num_heads, head_dim]`` (queries, keys, or both side by
+        side): ``x * cos + rotate_half(x) * sin``, with ``rotate_half`` as a roll by half
+        the head and its sign folded into the table (the same products, so the same
+        rounding as the textbook form)."""
+        cos, sin = self.cos_sin(positions, x.dtype)
+        return x * cos + torch.roll(x, self.half, dims=-1) * sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -98,11 +134,7 @@ class RotaryEmbedding(nn.Module):
         Returns:
             Rotated ``(q, k)`` in their input dtypes.
         """
-        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k
+        return self.rotate(positions, q), self.rotate(positions, k)
 
 
 def rope_from_hf_config(hf_config: dict, head_dim: int, max_position: int) -> RotaryEmbedding:

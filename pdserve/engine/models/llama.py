@@ -58,14 +58,17 @@ class LlamaAttention(nn.Module):
         """``hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size]``."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary.rotate(positions, q), self.rotary.rotate(positions, k)
+        else:  # queries and keys side by side: one rotation for both
+            qk = self.rotary.rotate(
+                positions, qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale,
                                    kv_scales=kv_cache[2:] or None)
         return self.o_proj(out.view(num_tokens, self.q_size))
@@ -121,6 +124,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = rope_from_hf_config(cfg.hf_config, cfg.head_dim, max_position)
+        self.rotary = rotary  # shared by every layer's attention
         self.layers = nn.ModuleList(
             self.layer_cls(cfg, rotary, backend) for _ in range(cfg.num_layers)
         )
@@ -141,6 +145,7 @@ class LlamaModel(nn.Module):
         output of layer ``i - 1``; ``i = 0`` is the embedding), which is Hugging Face's
         ``output_hidden_states[i]`` and vLLM's ``eagle_aux_hidden_state_layer_ids``.
         """
+        self.rotary.forget()
         if aux_layer_ids:
             return self._forward_with_aux(input_ids, positions, kv_caches, attn_metadata,
                                           aux_layer_ids)

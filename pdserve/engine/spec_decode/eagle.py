@@ -112,6 +112,7 @@ class EagleDecoderLayer(nn.Module):
 
         eagle1 passes the fc output as ``hidden`` and ignores ``embeds``.
         """
+        self.self_attn.rotary.forget()
         if self.is_eagle3:
             residual = hidden
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
