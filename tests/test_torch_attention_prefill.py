@@ -49,3 +49,34 @@ def test_prefill_uses_flash_kernel_and_matches_reference(cached):
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     assert "aten::_scaled_dot_product_attention_math" not in ops
     torch.testing.assert_close(out, _reference(q, k_all, v_all, cached), rtol=1e-4, atol=1e-4)
+
+
+def test_decodes_of_very_different_lengths_are_grouped_and_exact():
+    """Decodes over 20, 30 and 700 cached tokens: attended in length groups (the short ones
+    are not padded to 700), each equal to its own causal attention over its context."""
+    gen = torch.Generator().manual_seed(1)
+    lens = [20, 700, 30]
+    blocks_per = [(n + BS - 1) // BS for n in lens]
+    tables, first = [], 0
+    for b in blocks_per:
+        tables.append(list(range(first, first + b)))
+        first += b
+    k_cache = torch.randn(first, BS, HKV, D, generator=gen)
+    v_cache = torch.randn(first, BS, HKV, D, generator=gen)
+    q = torch.randn(len(lens), H, D, generator=gen)
+    k_new = torch.randn(len(lens), HKV, D, generator=gen)
+    v_new = torch.randn(len(lens), HKV, D, generator=gen)
+    slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens)])
+    backend = TorchAttentionBackend(torch.device("cpu"))
+    meta = backend.build_metadata(AttentionInputs(
+        slot_mapping=slots, query_lens=[1, 1, 1], seq_lens=lens, block_tables=tables,
+        num_decodes=3, block_size=BS))
+    assert max(g.slots.shape[1] for g in meta.decode_groups if g.rows is None
+               or 0 in g.rows.tolist()) < 700  # the 20-token decode is not padded to 700
+    out = backend.forward(q, k_new, v_new, k_cache, v_cache, meta, D**-0.5)
+    for i, (t, n) in enumerate(zip(tables, lens)):
+        ctx = torch.tensor(t).repeat_interleave(BS) * BS + torch.arange(BS).repeat(len(t))
+        k_ctx = k_cache.view(-1, HKV, D)[ctx[:n]]
+        v_ctx = v_cache.view(-1, HKV, D)[ctx[:n]]
+        ref = _reference(q[i:i + 1], k_ctx, v_ctx, n - 1)
+        torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-4, atol=1e-4)

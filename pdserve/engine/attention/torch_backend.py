@@ -49,24 +49,71 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes whose contexts are attended together, padded to the group's longest.
+
+    Attributes:
+        rows: ``[n]`` int64 batch rows of the group's decodes, or None when the group is
+            every decode of the step in order (rows ``0 .. num_decodes - 1``).
+        slots: ``[n, max_seq_len]`` int64 gather slots (padding gathers slot 0 and is
+            masked out).
+        mask: ``[n, 1, 1, max_seq_len]`` bool, True = attend; None when every decode of the
+            group attends to all ``max_seq_len`` slots (always for one decode).
+    """
+
+    rows: torch.Tensor | None
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
 class TorchAttentionMetadata:
     """Per-step metadata, shared by every layer.
 
     Attributes:
         slot_mapping: ``[num_tokens]`` int64 write slots.
         num_decodes: leading decode requests (one token each).
-        decode_slots: ``[num_decodes, max_seq_len]`` int64 gather slots (padding gathers
-            slot 0 and is masked out), or None without decodes.
-        decode_mask: ``[num_decodes, 1, 1, max_seq_len]`` bool, True = attend; None when
-            every decode attends to all ``max_seq_len`` slots.
+        decode_groups: the decodes by context length (see :func:`_decode_groups`).
         prefills: the prefilling requests, in batch order.
     """
 
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_slots: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
+
+
+def _decode_groups(seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+                   device: torch.device) -> list[DecodeGroup]:
+    """Decodes grouped so that padding stays bounded: one group while the longest context
+    is at most twice the shortest (the common case: one SDPA call for the batch), else one
+    group per power-of-two length class. Padding every decode to the batch's longest made
+    one 3,000-token request turn 20 decodes over 200 tokens into 20 over 3,000 (measured:
+    decode steps of seconds under mixed load)."""
+    if max(seq_lens) <= 2 * min(seq_lens):
+        classes = {0: list(range(len(seq_lens)))}
+    else:
+        classes = {}
+        for i, n in enumerate(seq_lens):
+            classes.setdefault((n - 1).bit_length(), []).append(i)
+    groups = []
+    for members in classes.values():
+        lens = [seq_lens[i] for i in members]
+        max_len = max(lens)
+        max_blocks = (max_len + block_size - 1) // block_size
+        table = torch.zeros((len(members), max_blocks), dtype=torch.int64)
+        for j, i in enumerate(members):
+            bt = block_tables[i][:max_blocks]
+            table[j, :len(bt)] = torch.tensor(bt, dtype=torch.int64)
+        pos = torch.arange(max_len, dtype=torch.int64)
+        slots = table[:, pos // block_size] * block_size + pos % block_size  # [n, max_len]
+        valid = pos[None, :] < torch.tensor(lens, dtype=torch.int64)[:, None]
+        rows = (None if len(members) == len(seq_lens)
+                else torch.tensor(members, dtype=torch.int64, device=device))
+        groups.append(DecodeGroup(
+            rows, torch.where(valid, slots, 0).to(device),
+            None if min(lens) == max_len else valid[:, None, None, :].to(device)))
+    return groups
 
 
 #: Largest query length with cached context that runs as rows per KV head (see forward).
@@ -139,23 +186,8 @@ class TorchAttentionBackend:
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         bs = inputs.block_size
         nd = inputs.num_decodes
-        decode_slots = decode_mask = None
-        if nd:
-            seq_lens = inputs.seq_lens[:nd]
-            max_len = max(seq_lens)
-            max_blocks = (max_len + bs - 1) // bs
-            table = torch.zeros((nd, max_blocks), dtype=torch.int64)
-            for i, bt in enumerate(inputs.block_tables[:nd]):
-                n = min(len(bt), max_blocks)
-                table[i, :n] = torch.tensor(bt[:n], dtype=torch.int64)
-            pos = torch.arange(max_len, dtype=torch.int64)
-            slots = table[:, pos // bs] * bs + pos % bs  # [nd, max_len]
-            lens = torch.tensor(seq_lens, dtype=torch.int64)
-            valid = pos[None, :] < lens[:, None]
-            decode_slots = torch.where(valid, slots, 0).to(self.device)
-            # no mask when every decode attends to all max_len slots (always at batch 1)
-            decode_mask = (None if min(seq_lens) == max_len
-                           else valid[:, None, None, :].to(self.device))
+        decode_groups = (_decode_groups(inputs.seq_lens[:nd], inputs.block_tables[:nd], bs,
+                                        self.device) if nd else [])
         prefills: list[PrefillSeq] = []
         start = nd
         for i in range(nd, len(inputs.query_lens)):
@@ -170,7 +202,7 @@ class TorchAttentionBackend:
                 prefills.append(PrefillSeq(start, q_len, ctx, mask))
             start += q_len
         return TorchAttentionMetadata(
-            inputs.slot_mapping, nd, decode_slots, decode_mask, prefills
+            inputs.slot_mapping, nd, decode_groups, prefills
         )
 
     def forward(
@@ -203,23 +235,27 @@ class TorchAttentionBackend:
         else:
             out = torch.empty_like(q)
         q = q.to(dtype)
-        if nd:
-            group = q.shape[1] // num_kv_heads
+        group = q.shape[1] // num_kv_heads
+        for g in metadata.decode_groups:
+            qg = q[:nd] if g.rows is None else q.index_select(0, g.rows)
+            n, max_len = g.slots.shape
             # Query heads sharing a KV head become rows of one attention: no K/V repeat.
-            qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-            slots = metadata.decode_slots.view(-1)
-            max_len = metadata.decode_slots.shape[1]
+            qd = qg.view(n, num_kv_heads, group, head_dim)
+            slots = g.slots.view(-1)
             kd = _gather(k_cache, k_scales, slots, dtype)
             vd = _gather(v_cache, v_scales, slots, dtype)
-            kd = kd.view(nd, max_len, num_kv_heads, head_dim).transpose(1, 2)  # [nd, Hkv, L, D]
-            vd = vd.view(nd, max_len, num_kv_heads, head_dim).transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=metadata.decode_mask, scale=scale
-            )
-            od = od.reshape(nd, -1, head_dim)
-            if out is None:
+            kd = kd.view(n, max_len, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
+            vd = vd.view(n, max_len, num_kv_heads, head_dim).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+            od = od.reshape(n, -1, head_dim)
+            if out is None and g.rows is None:
                 return od.to(q_dtype)
-            out[:nd] = od
+            if out is None:
+                out = torch.empty(q.shape, dtype=q_dtype, device=q.device)
+            if g.rows is None:
+                out[:nd] = od
+            else:
+                out.index_copy_(0, g.rows, od.to(q_dtype))
         for p in metadata.prefills:
             sl = slice(p.query_start, p.query_start + p.query_len)
             # Operands are 4-D [1, heads, n, D]: torch's CPU flash-attention kernel (GQA,
