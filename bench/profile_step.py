@@ -183,9 +183,10 @@ def run_scenario(name: str, args, llm, rng, codec, tokenizer) -> dict:
         batch, plen = (32, 128) if size == "32x128" else (1, int(size))
     else:
         batch, plen = int(size), 128
+    # the 32 x 128 batch is one step (4,096 tokens); everything else runs as served
     engine.scheduler.max_num_batched_tokens = (
-        max(4096, args.max_num_batched_tokens) if batch * plen > args.max_num_batched_tokens
-        and kind == "prefill" and batch > 1 else args.max_num_batched_tokens)
+        max(batch * plen, args.max_num_batched_tokens) if kind == "prefill" and batch > 1
+        else args.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=4096 - plen - 8, ignore_eos=True)
     counter = [0]
 
