@@ -121,11 +121,12 @@ class Fp32GemmLinear(nn.Linear):
         docstring); it rounds the weight exactly as a bf16 model holds it.
         """
         if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_BF16_GEMV_ROWS:
-            weight_bf16 = self.__dict__.get("_weight_bf16")
-            if weight_bf16 is None:
-                weight_bf16 = self.__dict__["_weight_bf16"] = self.weight.to(torch.bfloat16)
-            bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-            return F.linear(x, weight_bf16, bias)
+            copies = self.__dict__.get("_weight_bf16")
+            if copies is None:  # (weight, bias) in bf16, made once
+                copies = self.__dict__["_weight_bf16"] = (
+                    self.weight.to(torch.bfloat16),
+                    None if self.bias is None else self.bias.to(torch.bfloat16))
+            return F.linear(x, *copies)
         return cpu_linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
