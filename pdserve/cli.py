@@ -8,6 +8,8 @@ import logging
 import sys
 import time
 
+from pdserve.server.tools.parsers import TOOL_PARSERS
+
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     from pdserve.engine.loader import pull_default_model
@@ -257,6 +259,8 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="require this bearer token on /v1 (or set PDSERVE_API_KEY; "
                         "default: no token)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's text (tool_choice auto)")
     p.add_argument("--router-address", default=None,
                    help="zmq address the router binds (default: serve: a free loopback "
                         "port; server: tcp://0.0.0.0:5557)")

@@ -132,7 +132,7 @@ def build_server_state(args: argparse.Namespace, router_address: str):
     return ServerState(
         router=router, tokenizer=tokenizer, model_name=name,
         default_max_model_len=args.max_model_len or arch.max_position_embeddings,
-        metrics=metrics, api_key=api_key,
+        metrics=metrics, api_key=api_key, tool_parser=args.tool_call_parser,
     )
 
 

@@ -101,6 +101,18 @@ class WorkerCollector:
         for pos, count in enumerate(load.num_spec_accepted_tokens_per_pos):
             per_pos.add_metric(self.label_values + [str(pos)], count)
         yield per_pos
+        grammar = w.engine.structured_output
+        yield self._counter("pdserve:grammar_mask_seconds", "Time spent filling grammar "
+                            "token masks (structured outputs), in seconds.", grammar.mask_s)
+        yield self._counter("pdserve:grammar_mask_steps", "Engine steps that filled grammar "
+                            "token masks.", grammar.num_mask_steps)
+        by_kind = CounterMetricFamily(
+            "pdserve:structured_output_requests",
+            "Constrained requests admitted, by kind (json, regex, choice, ...).",
+            labels=self.label_names + ["kind"])
+        for kind, count in sorted(grammar.num_requests_by_kind.items()):
+            by_kind.add_metric(self.label_values + [kind], count)
+        yield by_kind
 
 
 class WorkerMetricsServer:

@@ -255,11 +255,12 @@ def test_max_completion_tokens_wins_over_max_tokens():
 
 
 def test_unknown_fields_are_ignored():
-    body = chat_body(tools=[{"type": "function"}], response_format={"type": "text"},
-                     foo="bar", parallel_tool_calls=False)
+    body = chat_body(response_format={"type": "text"}, foo="bar", parallel_tool_calls=False,
+                     user="u", metadata={"k": "v"}, store=False, service_tier="auto")
     request = ChatCompletionRequest.model_validate(body)
     assert not hasattr(request, "foo")
-    CompletionRequest.model_validate(completion_body(suffix="x", best_of=1, foo=[1]))
+    assert request.structured_output() is None
+    CompletionRequest.model_validate(completion_body(suffix="", best_of=1, foo=[1]))
 
 
 def test_null_means_default():
@@ -269,9 +270,25 @@ def test_null_means_default():
     assert (request.temperature, request.top_p, request.n, request.stream) == (1.0, 1.0, 1, False)
 
 
-def test_numeric_strings_are_coerced():
-    request = ChatCompletionRequest.model_validate(chat_body(max_tokens="10", temperature="0.5"))
-    assert (request.max_tokens, request.temperature) == (10, 0.5)
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", "5"), ("n", "3"), ("temperature", "0.5"), ("seed", "1"), ("max_tokens", 5.0),
+    ("top_logprobs", True),
+])
+def test_numbers_are_not_coerced_from_strings_floats_or_booleans(field, value):
+    body = chat_body(**{field: value}, **({"logprobs": True} if field == "top_logprobs" else {}))
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate_json(json.dumps(body))
+    assert validation_error_to_body(info.value)["error"]["param"] == field
+
+
+def test_an_integer_is_a_valid_float():
+    assert ChatCompletionRequest.model_validate(chat_body(temperature=1)).temperature == 1.0
+
+
+def test_stream_options_include_usage_null_means_default():
+    request = ChatCompletionRequest.model_validate(
+        chat_body(stream=True, stream_options={"include_usage": None}))
+    assert request.include_usage is False
 
 
 @pytest.mark.parametrize("prompt,expected", [

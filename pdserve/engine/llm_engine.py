@@ -18,6 +18,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import SpecDecodeStats, build_proposer
+from pdserve.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,10 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or model_max
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.arch, checkpoint, self.max_model_len)
+        self.structured_output = StructuredOutputManager(
+            self.model_path, self.arch.vocab_size, list(self.arch.eos_token_ids))
+        self.runner = ModelRunner(config, self.arch, checkpoint, self.max_model_len,
+                                  structured_output=self.structured_output)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -121,8 +125,19 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be < vocab size {vocab}")
         if max_tokens_override is not None:
             max_tokens = min(max_tokens, max_tokens_override)
-        return Request(request_id, prompt_token_ids, sampling_params, max_tokens,
-                       self.arch.eos_token_ids, self.runner.device, arrival_time)
+        request = Request(request_id, prompt_token_ids, sampling_params, max_tokens,
+                          self.arch.eos_token_ids, self.runner.device, arrival_time)
+        if sampling_params.structured_output is not None:
+            request.grammar = self.structured_output.new_matcher(
+                sampling_params.structured_output)
+        return request
+
+    def _consume_grammar(self, request: Request) -> bool:
+        """Feeds a constrained request's grammar the outputs it has not seen; False if one
+        is forbidden (the request cannot continue under its grammar)."""
+        if request.grammar is None:
+            return True
+        return self.structured_output.consume(request.grammar, request.output_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, arrival_time: float | None = None,
@@ -149,6 +164,8 @@ class LLMEngine:
             request.token_ids.extend(output_token_ids)
             if request.check_stop(self.max_model_len) is not None:
                 raise ValueError("the given output tokens already finish this request")
+            if not self._consume_grammar(request):
+                raise ValueError("the given output tokens break the request's grammar")
         request.export_kv = export_kv
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -215,6 +232,10 @@ class LLMEngine:
         self.block_manager.cache_computed_blocks(req)
         req.append_output_token(first_token_id)
         status = req.check_stop(self.max_model_len)
+        if status is None and not self._consume_grammar(req):
+            logger.error("request %s: first token %d breaks its grammar", request_id,
+                         first_token_id)
+            status = RequestStatus.FINISHED_ABORTED
         if status is not None:  # the router already knows; just release the blocks
             self.scheduler.finish(req, status)
             del self.requests[request_id]
@@ -241,6 +262,12 @@ class LLMEngine:
         req.num_computed_tokens = 0
         req.num_draft_computed = 0
         req.token_ids = req.prompt_token_ids + list(output_token_ids)
+        if req.grammar is not None:
+            req.grammar = self.structured_output.new_matcher(
+                req.sampling_params.structured_output)
+            if not self._consume_grammar(req):
+                self.abort_request(request_id)
+                return False
         req.status = RequestStatus.WAITING
         self.scheduler.add_request(req)
         return True
@@ -306,6 +333,8 @@ class LLMEngine:
                 if req.num_output_tokens == 1:
                     self.num_prompt_tokens += req.num_prompt_tokens
                 status = req.check_stop(self.max_model_len)
+                if req.grammar is not None and status is None:
+                    status = self._advance_grammar(req, token_id)
                 if status is not None:
                     break
             self.num_generation_tokens += len(new_ids)
@@ -332,6 +361,14 @@ class LLMEngine:
                                   allow_drafts=not cap or len(self.scheduler.running) < cap)
         self.spec_stats.maybe_log()
         return deltas
+
+    def _advance_grammar(self, req: Request, token_id: int) -> RequestStatus | None:
+        """Consumes an emitted token; the request stops once its grammar has ended."""
+        if not req.grammar.accept_token(token_id):  # the mask makes this unreachable
+            logger.error("request %s: sampled token %d is outside its grammar",
+                         req.request_id, token_id)
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if req.grammar.is_terminated else None
 
     def _stream_kv_layers(self, sched) -> set[str]:
         """Hook :attr:`kv_layer_sink` into this step's forward for the ``export_kv``

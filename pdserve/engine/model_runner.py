@@ -26,6 +26,11 @@ from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode.rejection_sampler import RejectionSampler
+from pdserve.engine.structured_output import (
+    StepMasks,
+    StructuredOutputManager,
+    apply_token_bitmask,
+)
 from pdserve.engine.quantization import load_model_weights, prepare_cpu_gemms, weight_memory
 
 
@@ -133,14 +138,18 @@ class ModelRunner:
         arch: the model's architecture facts.
         checkpoint: where the weights come from.
         max_model_len: longest sequence (prompt + output) served.
+        structured_output: builds grammar masks for constrained requests (None: the runner
+            serves none).
 
     Raises:
         ValueError: when the KV budget cannot hold one ``max_model_len`` sequence.
     """
 
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, checkpoint: Checkpoint,
-                 max_model_len: int) -> None:
+                 max_model_len: int,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
+        self.structured_output = structured_output
         self.arch = arch
         self.device = config.torch_device
         self.dtype = config.resolve_dtype(None)
@@ -332,6 +341,12 @@ class ModelRunner:
                 else:
                     plain.append((s, last_row))
 
+        # grammar masks depend only on tokens already emitted: fill them during the forward
+        masks = None
+        if self.structured_output is not None:
+            masks = self.structured_output.submit_step_masks(
+                [s.request.grammar for s, _ in plain],
+                [(s.request.grammar, s.spec_token_ids) for s, _ in verify])
         dev = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
@@ -355,11 +370,12 @@ class ModelRunner:
         #: row in them and its num_computed_tokens before the step
         self.last_step = StepHidden(hidden if features is None else features, query_starts,
                                     [s.request.num_computed_tokens for s in sched.scheduled])
+        step_masks = masks.result() if masks is not None else None
         results: dict[str, tuple[list[int], list[TokenLogprob] | None, int, int]] = {}
         if plain:
-            results.update(self._sample_plain(hidden, plain))
+            results.update(self._sample_plain(hidden, plain, step_masks))
         if verify:
-            results.update(self._verify_drafts(hidden, verify))
+            results.update(self._verify_drafts(hidden, verify, step_masks))
         order = [s.request.request_id for s in sched.scheduled
                  if s.request.request_id in results]
         return ModelRunnerOutput(
@@ -382,28 +398,44 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _sample_plain(self, hidden: torch.Tensor, plain: list[tuple[ScheduledRequest, int]]):
+    def _sample_plain(self, hidden: torch.Tensor, plain: list[tuple[ScheduledRequest, int]],
+                      masks: StepMasks | None):
         """One token per request from its last row (all sampling features)."""
         reqs = [s.request for s, _ in plain]
         rows = torch.tensor([row for _, row in plain], dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [num_plain, vocab] fp32
         smeta = self._sampling_metadata(reqs, [r.output_token_ids for r in reqs],
                                         logits.shape[-1])
+        if masks is not None and masks.plain_rows:
+            smeta.grammar_bitmask = masks.plain_bitmask
+            smeta.grammar_rows = torch.tensor(masks.plain_rows, dtype=torch.int64,
+                                              device=self.device)
         out = self.sampler(logits, smeta, self.default_generator)
         tokens = out.sampled_token_ids.tolist()
         lps = _token_logprobs(reqs, [[t] for t in tokens], out.logprobs)
         return {r.request_id: ([t], lp, 0, 0) for r, t, lp in zip(reqs, tokens, lps)}
 
-    def _verify_drafts(self, hidden: torch.Tensor, verify: list[tuple[ScheduledRequest, int]]):
-        """Verify each request's ``k`` drafts over its ``k + 1`` rows (rejection sampling)."""
+    def _verify_drafts(self, hidden: torch.Tensor, verify: list[tuple[ScheduledRequest, int]],
+                       masks: StepMasks | None):
+        """Verify each request's ``k`` drafts over its ``k + 1`` rows (rejection sampling).
+
+        A constrained request's rows are masked by the grammar state each draft prefix
+        reaches, so a draft the grammar forbids has probability 0 and is rejected, and the
+        emitted tokens follow the constrained distribution (logprobs stay the raw model's).
+        """
         reqs = [s.request for s, _ in verify]
         rows = torch.tensor([first + j for s, first in verify for j in range(s.num_spec_tokens + 1)],
                             dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [sum(k_i + 1), vocab] fp32
         smeta = self._sampling_metadata(reqs, [r.output_token_ids for r in reqs],
                                         logits.shape[-1])
+        target = logits
+        if masks is not None and masks.verify_rows:
+            target = apply_token_bitmask(
+                logits.float().clone(), masks.verify_bitmask,
+                torch.tensor(masks.verify_rows, dtype=torch.int64, device=self.device))
         out = self.rejection_sampler(
-            logits, [s.spec_token_ids for s, _ in verify],
+            target, [s.spec_token_ids for s, _ in verify],
             [s.spec_draft_probs for s, _ in verify], smeta, self.default_generator)
         emitted, num_accepted = out.to_lists()
         logprobs = None

@@ -8,6 +8,7 @@ import time
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +52,7 @@ class Request:
         spec_draft_probs: ``[len(spec_token_ids), vocab]`` fp32, the draft distribution
             (after temperature) they were sampled from; None for point-mass drafts.
         num_draft_computed: leading tokens whose K/V the draft model (or EAGLE head) holds.
+        grammar: the request's grammar matcher (structured outputs), None for free text.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -77,6 +79,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: torch.Tensor | None = None
         self.num_draft_computed = 0
+        self.grammar: GrammarMatcher | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=device)

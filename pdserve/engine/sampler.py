@@ -9,7 +9,8 @@ Processing order of the slow path (each step only when some row needs it)::
 
     raw logits [B, V] ──► logprobs = log_softmax(raw)                  (if any row asked)
         │
-        ├─► + logit_bias ─► min_tokens (-inf on EOS / stop ids) ─► penalties
+        ├─► grammar mask (-inf) ─► + logit_bias ─► min_tokens (-inf on EOS / stop ids)
+        │       ─► penalties
         │       (repetition over prompt+output, presence/frequency over output)
         │
         ├─► greedy rows:  argmax
@@ -28,6 +29,7 @@ import torch
 from pdserve.engine.logits_processors import apply_min_p, apply_penalties, apply_top_k_top_p
 from pdserve.engine.sampling_metadata import PenaltyTensors, SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
+from pdserve.engine.structured_output.backend import apply_token_bitmask
 
 __all__ = [
     "LogprobsTensors", "PenaltyTensors", "Sampler", "SamplerOutput", "SamplingMetadata",
@@ -119,7 +121,9 @@ class Sampler:
 
     @staticmethod
     def _process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Logit bias, then min_tokens suppression, then penalties. ``[B, V]`` fp32 in and out."""
+        """Grammar mask, logit bias, min_tokens, then penalties. ``[B, V]`` fp32 in and out."""
+        if metadata.grammar_bitmask is not None:
+            apply_token_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
         if metadata.logit_bias_row_ids is not None:
             logits.index_put_(
                 (metadata.logit_bias_row_ids, metadata.logit_bias_token_ids),

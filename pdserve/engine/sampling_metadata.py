@@ -49,6 +49,9 @@ class SamplingMetadata:
     min_tokens_row_ids: torch.Tensor | None  # [num_suppressed] int64
     min_tokens_token_ids: torch.Tensor | None  # [num_suppressed] int64
     max_num_logprobs: int | None  # K of the top-logprobs output; None if no row asked
+    # grammar masks (structured outputs), set by the model runner after build()
+    grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32
+    grammar_rows: torch.Tensor | None = None  # [R] int64, the rows grammar_bitmask masks
 
     @property
     def num_rows(self) -> int:
@@ -57,9 +60,10 @@ class SamplingMetadata:
 
     @property
     def needs_logit_processing(self) -> bool:
-        """True when bias, min_tokens suppression or penalties change any row's logits."""
+        """True when a grammar mask, bias, min_tokens or penalties change any row's logits."""
         return (
-            self.penalties is not None
+            self.grammar_bitmask is not None
+            or self.penalties is not None
             or self.logit_bias_row_ids is not None
             or self.min_tokens_row_ids is not None
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdserve.engine.structured_output.params import StructuredOutputParams
+
 #: Temperatures at or below this are treated as greedy (argmax) decoding.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -31,6 +33,8 @@ class SamplingParams:
     - ``max_tokens`` caps generated tokens (``None``: up to the context length);
       ``min_tokens`` suppresses EOS and ``stop_token_ids`` until that many are generated;
       ``ignore_eos`` keeps generating past EOS.
+    - ``structured_output``: a grammar every generated token must keep the output inside
+      (JSON schema, regex, choice, EBNF, structural tag); ``None`` for free text.
 
     Raises:
         ValueError: naming the offending field, for any out-of-range value.
@@ -51,6 +55,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:

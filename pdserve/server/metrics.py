@@ -91,6 +91,21 @@ class ServerMetrics:
         for c in (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
                   self.spec_decode_num_accepted_tokens):
             c.labels(model_name)  # exported at 0 before the first draft
+        self.structured_output_requests = Counter(
+            "pdserve:structured_output_requests",
+            "Requests with an output constraint, by kind (json, json_object, regex, choice, "
+            "grammar, structural_tag).", lbl + ["kind"], registry=r)
+        self.tool_requests = Counter(
+            "pdserve:tool_requests", "Chat requests with tools, by tool_choice (auto, "
+            "required, named).", lbl + ["tool_choice"], registry=r)
+        self.tool_calls_parsed = Counter(
+            "pdserve:tool_calls_parsed", "Tool calls parsed from model outputs.", lbl,
+            registry=r)
+        self.tool_call_parse_failures = Counter(
+            "pdserve:tool_call_parse_failures", "Tool-call blocks in model outputs that did "
+            "not parse (left as text).", lbl, registry=r)
+        for c in (self.tool_calls_parsed, self.tool_call_parse_failures):
+            c.labels(model_name)
         #: worker id -> the cumulative spec-decode counters last added from its heartbeats
         self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
         wl = lbl + ["worker_id", "role"]
@@ -144,6 +159,21 @@ class ServerMetrics:
                 old = before[3][pos] if pos < len(before[3]) else 0
                 if new > old:
                     self.spec_decode_num_accepted_tokens_per_pos.labels(m, str(pos)).inc(new - old)
+
+    def observe_structured_output(self, kind: str) -> None:
+        """Count one request constrained by a grammar of ``kind``."""
+        self.structured_output_requests.labels(self.model_name, kind).inc()
+
+    def observe_tool_request(self, tool_choice: str) -> None:
+        """Count one chat request offering tools (``tool_choice`` auto/required/named)."""
+        self.tool_requests.labels(self.model_name, tool_choice).inc()
+
+    def observe_tool_parse(self, num_calls: int, num_failed: int) -> None:
+        """Count the calls parsed from one choice's output and the blocks that failed."""
+        if num_calls:
+            self.tool_calls_parsed.labels(self.model_name).inc(num_calls)
+        if num_failed:
+            self.tool_call_parse_failures.labels(self.model_name).inc(num_failed)
 
     def set_load(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         m = self.model_name

@@ -43,15 +43,20 @@ from pdserve.server.protocol_responses import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     FinishReason,
+    FunctionCallResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    ToolCall,
     UsageInfo,
 )
 
 __all__ = [
+    "DeltaFunctionCall", "DeltaToolCall", "FunctionCallResponse", "ToolCall",
     "INVALID_REQUEST_ERROR",
     "MAX_ABS_LOGIT_BIAS",
     "MAX_COMPLETION_LOGPROBS",

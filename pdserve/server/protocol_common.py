@@ -6,7 +6,7 @@ import math
 import uuid
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, AllowInfNan, BeforeValidator, ValidationError
+from pydantic import AfterValidator, AllowInfNan, Strict, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 #: Most choices (``n``) one request may ask for.
@@ -26,30 +26,16 @@ MAX_SEED = 2**63 - 1
 MIN_LOGPROB = -9999.0
 
 
-def _reject_bool(value: Any) -> Any:
-    # bool is a subclass of int and pydantic's lax mode coerces it; OpenAI rejects it.
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")
-    return value
-
-
-def _check_float(value: Any) -> Any:
-    value = _reject_bool(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"expected a finite number, got {value}")
-    return value
-
-
 def _clamp_logprob(value: float) -> float:
     if math.isnan(value) or value < MIN_LOGPROB:
         return MIN_LOGPROB
     return value
 
 
-#: An integer that also accepts numeric strings ("10") but not booleans or words ("ten").
-Int = Annotated[int, BeforeValidator(_reject_bool)]
-#: A finite float (no NaN / Infinity) that is not a boolean.
-Float = Annotated[float, BeforeValidator(_check_float), AllowInfNan(False)]
+#: A JSON integer: strings ("5"), floats (5.0) and booleans are refused, as by OpenAI.
+Int = Annotated[int, Strict()]
+#: A finite JSON number (an integer is accepted): strings, booleans, NaN and Infinity are not.
+Float = Annotated[float, Strict(), AllowInfNan(False)]
 #: A log-probability as sent to clients: finite, at least ``MIN_LOGPROB``.
 LogProb = Annotated[float, AfterValidator(_clamp_logprob)]
 

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_output import StructuredOutputParams
 from pdserve.server.protocol_common import (
     MAX_ABS_LOGIT_BIAS,
     MAX_COMPLETION_LOGPROBS,
@@ -38,6 +39,13 @@ from pdserve.server.protocol_common import (
     Float,
     Int,
     param_error,
+)
+from pdserve.server.protocol_structured import (
+    ChatCompletionMessageToolCall,
+    ChatCompletionToolParam,
+    ResponseFormat,
+    StructuredOutputsOptions,
+    ToolChoice,
 )
 
 #: Roles a chat message may have.
@@ -64,7 +72,22 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: StrictBool = False
+    include_usage: StrictBool | None = None  # null: the default (no usage chunk)
+
+
+def _refuse_fields(data: Any, refused: dict[str, Any]) -> None:
+    """Raises naming the first field that would change the output and is not supported.
+
+    ``refused`` maps a field to a predicate on its value that is true when the value is
+    harmless (the default), or to None when any non-null value is refused.
+    """
+    if not isinstance(data, dict):
+        return
+    for name, harmless in refused.items():
+        value = data.get(name)
+        if value is None or (harmless is not None and harmless(value)):
+            continue
+        raise param_error("request", name, f"{name} is not supported by this server", value)
 
 
 class _SamplingRequest(BaseModel):
@@ -90,7 +113,13 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = Field(False, description="extension")
     min_tokens: Int = Field(0, ge=0, description="extension")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsOptions | None = Field(None, description="extension")
     user: str | None = None
+
+    #: OpenAI fields that would change the output and that this server does not serve:
+    #: field -> predicate true for a harmless value (None: any non-null value is refused).
+    REFUSED_FIELDS: typing.ClassVar[dict[str, Any]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -108,6 +137,12 @@ class _SamplingRequest(BaseModel):
                 and not _admits_none(fields[key].annotation)
             )
         }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        _refuse_fields(data, cls.REFUSED_FIELDS)
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -146,6 +181,14 @@ class _SamplingRequest(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _one_structured_output(self) -> _SamplingRequest:
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            message = "response_format and structured_outputs cannot both constrain the output"
+            raise param_error(type(self).__name__, "structured_outputs", message, None)
+        return self
+
+    @model_validator(mode="after")
     def _check_min_tokens(self) -> _SamplingRequest:
         max_tokens = self.max_tokens_requested
         if max_tokens is not None and self.min_tokens > max_tokens:
@@ -173,7 +216,25 @@ class _SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         """True when a streamed response must end with a chunk carrying ``usage``."""
-        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+        return bool(self.stream and self.stream_options is not None
+                    and self.stream_options.include_usage)
+
+    @property
+    def structured_output_param(self) -> str:
+        """The request field a bad constraint is reported against."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The output constraint the request asks for (None: free text).
+
+        Raises:
+            ValueError: a constraint that is malformed (e.g. ``json`` text that is not JSON).
+        """
+        if self.structured_outputs is not None:
+            return self.structured_outputs.to_params()
+        if self.response_format is not None:
+            return self.response_format.to_params()
+        return None
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """The engine's view of this request (OpenAI → engine conversion, in one place).
@@ -206,6 +267,7 @@ class _SamplingRequest(BaseModel):
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=self.num_top_logprobs,
+            structured_output=self.structured_output(),
         )
 
 
@@ -225,6 +287,16 @@ class ChatCompletionRequestMessage(BaseModel):
 
     role: ChatRole
     content: str | list[ChatCompletionContentPartText] | None = Field(None, validate_default=True)
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatCompletionRequestMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -268,6 +340,46 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+
+    REFUSED_FIELDS: typing.ClassVar[dict[str, Any]] = {
+        "audio": None,
+        "modalities": lambda value: value == ["text"],
+        "web_search_options": None,
+        "functions": None,  # deprecated: send tools
+        "function_call": None,  # deprecated: send tool_choice
+        "reasoning_effort": None,
+        "verbosity": None,
+        "logprobs_format": None,
+    }
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise param_error(type(self).__name__, "tools", "tool names must be unique", names)
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            message = f"tool_choice {self.tool_choice_name!r} needs tools"
+            raise param_error(type(self).__name__, "tool_choice", message, None)
+        if not isinstance(choice, str) and choice is not None \
+                and choice.function.name not in names:
+            message = f"tool_choice names {choice.function.name!r}, which is not in tools"
+            raise param_error(type(self).__name__, "tool_choice", message, None)
+        if self.tool_choice_name in ("required", "named") and self.structured_output() is not None:
+            message = f"tool_choice {self.tool_choice_name!r} cannot be combined with another " \
+                      "output constraint (response_format / structured_outputs)"
+            raise param_error(type(self).__name__, "tool_choice", message, None)
+        return self
+
+    @property
+    def tool_choice_name(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named``; tools default to ``auto``."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else "named"
 
     @model_validator(mode="after")
     def _check_top_logprobs(self) -> ChatCompletionRequest:
@@ -290,7 +402,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.top_logprobs or 0
 
     def text_messages(self) -> list[dict[str, str]]:
-        """The conversation as ``{"role", "content"}`` dicts for ``apply_chat_template``."""
+        """The conversation as ``{"role", "content"}`` dicts (tool calls left out)."""
         return [{"role": message.role, "content": message.text} for message in self.messages]
 
 
@@ -301,6 +413,20 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: Int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
+    best_of: Int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    REFUSED_FIELDS: typing.ClassVar[dict[str, Any]] = {
+        "suffix": lambda value: value == "",
+    }
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            message = (f"best_of ({self.best_of}) must equal n ({self.n}): returning the best "
+                       "of more candidates than n is not supported")
+            raise param_error(type(self).__name__, "best_of", message, self.best_of)
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod

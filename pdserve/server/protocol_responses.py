@@ -14,8 +14,9 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 
 from pdserve.server.protocol_common import LogProb, random_id
 
-#: Why a choice ended: a stop string / EOS / stop token, or the ``max_tokens`` cap.
-FinishReason = Literal["stop", "length"]
+#: Why a choice ended: a stop string / EOS / stop token, the ``max_tokens`` cap, or (chat)
+#: an answer that is tool calls.
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def _now_s() -> int:
@@ -40,11 +41,52 @@ class UsageInfo(BaseModel):
 # ---------------------------------------------------------------- chat completions
 
 
+class FunctionCallResponse(BaseModel):
+    """The function a tool call invokes; ``arguments`` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallResponse
+
+
 class ChatMessage(BaseModel):
-    """The assistant message of a non-streamed chat choice."""
+    """The assistant message of a non-streamed chat choice (``content`` None when the answer
+    is only tool calls)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    """A streamed piece of a call's function: its name once, then arguments text."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of tool call ``index``: id, type and name on its first delta."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatCompletionTopLogprob(BaseModel):
@@ -98,6 +140,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

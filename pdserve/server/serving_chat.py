@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.server.errors import APIError
 from pdserve.server.generation import Generation
 from pdserve.server.protocol import (
@@ -20,11 +22,16 @@ from pdserve.server.protocol import (
     ChatCompletionStreamResponse,
     ChatCompletionTopLogprob,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallResponse,
+    ToolCall,
     UsageInfo,
 )
 from pdserve.server.serving_common import (
     check_model,
+    check_structured_output,
     parse_request,
     sse,
     start_generation,
@@ -32,13 +39,18 @@ from pdserve.server.serving_common import (
     worker_error,
 )
 from pdserve.server.state import ServerState
+from pdserve.server.tools.grammar import tool_call_constraint
+from pdserve.server.tools.parsers import StreamDelta, ToolCallParser, get_tool_parser
+from pdserve.server.tools.prompt import render_messages
 
 
 def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """Apply the model's chat template (generation prompt added) and tokenize."""
+    """Apply the model's chat template (generation prompt added, tools rendered) and
+    tokenize."""
+    messages, kwargs = render_messages(req, getattr(state.tokenizer, "chat_template", None))
     try:
         out = state.tokenizer.apply_chat_template(
-            req.text_messages(), add_generation_prompt=True, tokenize=True)
+            messages, add_generation_prompt=True, tokenize=True, **kwargs)
     except Exception as exc:  # a template may raise on role order etc.
         raise APIError(400, f"chat template could not be applied: {exc}", "messages") from None
     if hasattr(out, "keys"):
@@ -71,17 +83,53 @@ def _usage(gen: Generation) -> UsageInfo:
                      total_tokens=gen.num_prompt_tokens + gen.num_completion_tokens)
 
 
+def _tool_params(state: ServerState, req: ChatCompletionRequest, params: SamplingParams
+                 ) -> tuple[SamplingParams, ToolCallParser | None]:
+    """The request's params with the tool-call grammar (``required`` / named) and the
+    parser that reads calls from the output (None when the request has no tools)."""
+    if not req.tools or req.tool_choice_name == "none":
+        return params, None
+    try:
+        constraint = tool_call_constraint(req)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "tools") from None
+    if constraint is not None:
+        check_structured_output(constraint, "tools")
+        params = dataclasses.replace(params, structured_output=constraint)
+    state.metrics.observe_tool_request(req.tool_choice_name)
+    return params, get_tool_parser(state.tool_parser)
+
+
+def _message(text: str, parser: ToolCallParser | None, finish_reason: str | None,
+             state: ServerState) -> tuple[ChatMessage, str | None]:
+    """The assistant message of a finished choice, tool calls parsed out of its text."""
+    if parser is None:
+        return ChatMessage(role="assistant", content=text), finish_reason
+    parsed = parser.parse(text)
+    state.metrics.observe_tool_parse(len(parsed.tool_calls), parsed.num_failed)
+    if not parsed.tool_calls:
+        return ChatMessage(role="assistant", content=text), finish_reason
+    calls = [ToolCall(id=c.id, function=FunctionCallResponse(name=c.name, arguments=c.arguments))
+             for c in parsed.tool_calls]
+    if finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return ChatMessage(role="assistant", content=parsed.content, tool_calls=calls), finish_reason
+
+
 async def create_chat_completion(state: ServerState, raw: bytes):
     req = parse_request(ChatCompletionRequest, raw)
     check_model(state, req.model)
     prompt_ids = chat_prompt_ids(state, req)
     params = to_params(state, req, len(prompt_ids), "messages")
+    params, parser = _tool_params(state, req, params)
+    if params.structured_output is not None:
+        state.metrics.observe_structured_output(params.structured_output.kind.value)
     request_id, gen = start_generation(state, "chatcmpl", prompt_ids, params, req.stop_list)
     created = int(time.time())
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            sse(_stream(state, req, gen, request_id, created, include_usage, params.n)),
+            sse(_stream(state, req, gen, request_id, created, req.include_usage, params.n,
+                        parser)),
             media_type="text/event-stream")
 
     texts = [""] * params.n
@@ -97,22 +145,30 @@ async def create_chat_completion(state: ServerState, raw: bytes):
     except Exception as exc:
         raise worker_error(exc) from None
     want_logprobs = params.logprobs is not None
-    choices = [
-        ChatCompletionResponseChoice(
-            index=i, message=ChatMessage(role="assistant", content=texts[i]),
+    choices = []
+    for i in range(params.n):
+        message, finish_reason = _message(texts[i], parser, finish[i], state)
+        choices.append(ChatCompletionResponseChoice(
+            index=i, message=message,
             logprobs=chat_logprobs(state.tokenizer, logprobs[i]) if want_logprobs else None,
-            finish_reason=finish[i])
-        for i in range(params.n)
-    ]
+            finish_reason=finish_reason))
     resp = ChatCompletionResponse(
         id=request_id, created=created, model=state.model_name, choices=choices,
         usage=_usage(gen), system_fingerprint=state.system_fingerprint)
     return JSONResponse(resp.model_dump(mode="json"))
 
 
+def _tool_deltas(delta: StreamDelta) -> list[DeltaToolCall] | None:
+    if not delta.tool_calls:
+        return None
+    return [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                          function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+            for d in delta.tool_calls]
+
+
 async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation,
                   request_id: str, created: int, include_usage: bool,
-                  n: int) -> AsyncIterator[str]:
+                  n: int, parser: ToolCallParser | None = None) -> AsyncIterator[str]:
     def chunk(choices, usage=None) -> str:
         return ChatCompletionStreamResponse(
             id=request_id, created=created, model=state.model_name, choices=choices,
@@ -124,12 +180,30 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generatio
             index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
             finish_reason=None)])
     want_logprobs = req.logprobs
+    streams = [parser.stream() if parser is not None else None for _ in range(n)]
     async for ev in gen.events():
-        if not ev.text and ev.finish_reason is None and not want_logprobs:
-            continue  # tokens held back (partial character or possible stop string)
+        stream = streams[ev.index]
+        finish_reason = ev.finish_reason
+        if stream is None:
+            delta = DeltaMessage(content=ev.text)
+            has_text = bool(ev.text)
+        else:
+            parsed = stream.feed(ev.text)
+            if finish_reason is not None:
+                tail = stream.finish()
+                parsed = StreamDelta(parsed.content + tail.content,
+                                     parsed.tool_calls + tail.tool_calls)
+                state.metrics.observe_tool_parse(stream.num_calls, stream.num_failed)
+                if stream.num_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            delta = DeltaMessage(content=parsed.content or None,
+                                 tool_calls=_tool_deltas(parsed))
+            has_text = bool(parsed.content or parsed.tool_calls)
+        if not has_text and finish_reason is None and not want_logprobs:
+            continue  # tokens held back (partial character, stop string, tool-call tag)
         yield chunk([ChatCompletionResponseStreamChoice(
-            index=ev.index, delta=DeltaMessage(content=ev.text),
+            index=ev.index, delta=delta,
             logprobs=chat_logprobs(state.tokenizer, ev.logprobs) if want_logprobs else None,
-            finish_reason=ev.finish_reason)])
+            finish_reason=finish_reason)])
     if include_usage:
         yield chunk([], usage=_usage(gen))

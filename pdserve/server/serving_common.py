@@ -8,6 +8,10 @@ from typing import AsyncIterator, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from pdserve.engine.structured_output import (
+    StructuredOutputParams,
+    validate_structured_output,
+)
 from pdserve.router.router import NoWorkerAvailable, RequestRejected, WorkerFailed
 from pdserve.server.errors import APIError
 from pdserve.server.generation import Generation, submit
@@ -66,6 +70,12 @@ def to_params(state: ServerState, req, num_prompt_tokens: int, prompt_param: str
     """
     check_prompt_length(state, num_prompt_tokens, req.max_tokens_requested, prompt_param)
     try:
+        constraint = req.structured_output()
+    except ValueError as exc:
+        raise APIError(400, str(exc), req.structured_output_param) from None
+    if constraint is not None:
+        check_structured_output(constraint, req.structured_output_param)
+    try:
         params = req.to_sampling_params(default_max_tokens=state.max_model_len - num_prompt_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -76,6 +86,15 @@ def to_params(state: ServerState, req, num_prompt_tokens: int, prompt_param: str
         raise APIError(400, "logit_bias contains a token id outside the vocabulary",
                        "logit_bias")
     return params
+
+
+def check_structured_output(constraint: StructuredOutputParams, param: str) -> None:
+    """Raises APIError 400 naming ``param`` when ``constraint`` would not compile, or uses a
+    JSON schema keyword that would not be enforced (the message names the keyword)."""
+    try:
+        validate_structured_output(constraint)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param) from None
 
 
 def start_generation(state: ServerState, prefix: str, prompt_token_ids: list[int], params,

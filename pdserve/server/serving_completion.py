@@ -93,6 +93,9 @@ async def create_completion(state: ServerState, raw: bytes):
     prompts = prompt_id_lists(state, req)
     params_list = [to_params(state, req, len(p), "prompt") for p in prompts]
     n = params_list[0].n
+    if params_list[0].structured_output is not None:
+        for _ in prompts:
+            state.metrics.observe_structured_output(params_list[0].structured_output.kind.value)
     num_choices = n * len(prompts)
     if num_choices > state.router.max_num_inflight:  # a 503 would invite futile retries
         raise APIError(400, f"{len(prompts)} prompts x n={n} ask for {num_choices} choices; "

@@ -22,6 +22,7 @@ class ServerState:
         metrics: the Prometheus series.
         api_key: bearer token required on /v1 routes, or None.
         max_n: most choices per request.
+        tool_parser: name of the tool-call parser (``pdserve.server.tools.parsers``).
     """
 
     router: Router
@@ -31,6 +32,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     max_n: int = 16
+    tool_parser: str = "hermes"
     created: int = field(default_factory=lambda: int(time.time()))
     system_fingerprint: str = "pdserve-0.1.0"
 

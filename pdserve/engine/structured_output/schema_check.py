@@ -1,0 +1,135 @@
+"""The JSON Schema subset pdserve enforces, and the check that refuses everything else.
+
+NOTE: a keyword the grammar engine would silently ignore is a relaxation the client never
+asked for (``uniqueItems`` not enforced means duplicates in the "valid" output). So a
+schema is walked before it is compiled, and any keyword outside the lists below is refused
+with an error that names it and where it is. Each enforced keyword has a test that a
+violating value is rejected by the compiled grammar (``tests/test_structured_output.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Keywords the grammar enforces (xgrammar 0.2, checked one by one by the tests).
+ENFORCED_KEYWORDS = frozenset({
+    "type", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
+    # objects
+    "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+    # arrays
+    "items", "prefixItems", "minItems", "maxItems",
+    # strings
+    "minLength", "maxLength", "pattern", "format",
+    # numbers
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+})
+
+#: Keywords that never change which values are valid (annotations); accepted as they are.
+ANNOTATION_KEYWORDS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$comment",
+    "deprecated", "readOnly", "writeOnly", "discriminator",
+    "contentEncoding", "contentMediaType",
+})
+
+#: ``format`` values the grammar enforces.
+ENFORCED_FORMATS = frozenset({
+    "date", "time", "date-time", "duration", "email", "uuid", "ipv4", "ipv6", "hostname",
+    "uri", "uri-reference",
+})
+
+#: Keywords whose value is a map of name -> subschema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+#: Keywords whose value is one subschema.
+_SCHEMA_VALUES = ("additionalProperties", "items", "propertyNames")
+#: Keywords whose value is a list of subschemas.
+_SCHEMA_LISTS = ("anyOf", "prefixItems")
+
+
+class UnsupportedSchemaError(ValueError):
+    """A schema uses a keyword (or value) the grammar would not enforce.
+
+    Attributes:
+        keyword: the refused keyword (``uniqueItems``), or ``format:<name>``.
+        path: JSON-pointer-like location of the schema object holding it (``#/properties/a``).
+    """
+
+    def __init__(self, keyword: str, path: str, reason: str = "") -> None:
+        self.keyword = keyword
+        self.path = path
+        detail = reason or "it is not supported by structured outputs"
+        super().__init__(f"JSON schema keyword {keyword!r} at {path}: {detail}")
+
+
+def check_json_schema(schema: Any) -> Any:
+    """Validates ``schema`` as a JSON Schema and returns it with trivial wrappers removed.
+
+    A one-element ``allOf`` whose object carries nothing else but annotations (pydantic's
+    way to attach a description to a ``$ref``) is replaced by its element. An object schema
+    that lists no properties gets ``additionalProperties: true`` made explicit; where
+    properties are listed and ``additionalProperties`` is not given, the output holds only
+    the listed ones (valid, and what a client parsing into a typed model wants).
+
+    Args:
+        schema: the decoded schema (a dict, or a bool: ``true`` allows any value).
+
+    Returns:
+        The schema to compile (a new object; the argument is not modified).
+
+    Raises:
+        UnsupportedSchemaError: a keyword outside :data:`ENFORCED_KEYWORDS` and
+            :data:`ANNOTATION_KEYWORDS`, an unsupported ``format``, or a non-trivial
+            ``allOf``.
+        ValueError: ``schema`` is not a valid JSON Schema (draft 2020-12 meta-schema).
+    """
+    import jsonschema  # deferred: only structured-output requests need it
+
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise ValueError(f"invalid JSON schema at #/{where}: {exc.message}") from None
+    return _check(schema, "#")
+
+
+def _check(node: Any, path: str) -> Any:
+    if isinstance(node, bool):
+        return node
+    if not isinstance(node, dict):
+        raise UnsupportedSchemaError(type(node).__name__, path, "a schema must be an object")
+    node = _unwrap_all_of(node, path)
+    out: dict[str, Any] = {}
+    for keyword, value in node.items():
+        if keyword in ANNOTATION_KEYWORDS:
+            out[keyword] = value
+            continue
+        if keyword not in ENFORCED_KEYWORDS:
+            raise UnsupportedSchemaError(keyword, path)
+        if keyword == "format" and value not in ENFORCED_FORMATS:
+            raise UnsupportedSchemaError(
+                f"format:{value}", path,
+                f"format {value!r} is not enforced; supported: {sorted(ENFORCED_FORMATS)}")
+        if keyword in _SCHEMA_MAPS:
+            value = {name: _check(sub, f"{path}/{keyword}/{name}") for name, sub in value.items()}
+        elif keyword in _SCHEMA_VALUES:
+            value = _check(value, f"{path}/{keyword}")
+        elif keyword in _SCHEMA_LISTS:
+            value = [_check(sub, f"{path}/{keyword}/{i}") for i, sub in enumerate(value)]
+        out[keyword] = value
+    if out.get("type") == "object" and not any(
+            k in out for k in ("properties", "patternProperties", "additionalProperties")):
+        # JSON Schema allows any property here; say so, or the compiler's strict mode
+        # (extra properties off where properties are listed) would allow only {}
+        out["additionalProperties"] = True
+    return out
+
+
+def _unwrap_all_of(node: dict, path: str) -> dict:
+    if "allOf" not in node:
+        return node
+    parts = node["allOf"]
+    rest = {k: v for k, v in node.items() if k != "allOf"}
+    if len(parts) != 1 or not isinstance(parts[0], dict) or any(
+            k not in ANNOTATION_KEYWORDS and k not in ("$defs", "definitions") for k in rest):
+        raise UnsupportedSchemaError(
+            "allOf", path, "only a one-element allOf (a $ref with annotations) is supported")
+    return {**parts[0], **rest}

@@ -1,0 +1,1 @@
+"""Tool calling: prompt rendering, the required/named-call grammar, and call parsers."""
