@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from pdserve.engine.loader.default_model import find_default_gguf
@@ -137,6 +138,29 @@ def test_follow_up_on_a_cached_long_prefix_is_prefilled_by_the_decode_worker(dis
     assert delta("pdserve:route_decisions_total{route=remote_prefill}") == 0
     assert sum(v for k, v in after.items() if k.startswith(served)) == \
         sum(v for k, v in before.items() if k.startswith(served))
+
+
+def test_structured_output_through_the_prefill_worker(disagg_bf16):
+    """The prefill worker samples the first token under the grammar, the decode worker
+    continues in the same grammar state: the answer to a long prompt is valid JSON."""
+    schema = {"type": "object", "properties": {
+        "town": {"type": "string", "maxLength": 20},
+        "century": {"type": "integer", "minimum": 1, "maximum": 21},
+        "events": {"type": "array", "items": {"type": "string", "maxLength": 30},
+                   "maxItems": 2}}, "required": ["town", "century", "events"]}
+    before = metrics(disagg_bf16)
+    body = {"model": MODEL, "max_tokens": 120, "temperature": 0,
+            "messages": [{"role": "user", "content": long_prompt(11) + " Answer as JSON."}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "summary", "schema": schema}}}
+    resp = httpx.post(f"{disagg_bf16.base_url}/chat/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    after = wait_idle(disagg_bf16)
+    key = "pdserve:route_decisions_total{route=remote_prefill}"
+    assert after[key] - before.get(key, 0) == 1
 
 
 @pytest.mark.slow

@@ -246,3 +246,11 @@ def test_required_grammar_takes_calls_valid_against_their_schemas_only():
     named = tool_call_constraint(chat(tools=[WEATHER, ADD], tool_choice={
         "type": "function", "function": {"name": "add"}}))
     assert accepts(named, call) and not accepts(named, other)
+
+
+def test_vllm_guided_fields_are_read_as_structured_outputs():
+    req = chat(guided_regex="[0-9]+")
+    assert req.structured_output().kind is StructuredOutputKind.REGEX
+    assert chat(guided_choice=["a"]).structured_output().kind is StructuredOutputKind.CHOICE
+    with pytest.raises(ValidationError):
+        chat(guided_regex="x", structured_outputs={"regex": "y"})

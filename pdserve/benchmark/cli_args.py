@@ -45,6 +45,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight at once (default: no limit)")
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--extra-body", default=None, metavar="JSON|@FILE",
+                   help="fields added to every request body, e.g. a response_format")
     g.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos so every output runs to max_tokens")
     g = p.add_argument_group("results")

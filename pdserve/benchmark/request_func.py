@@ -32,6 +32,7 @@ class RequestSettings:
             ``max_tokens``.
         api_key: bearer token, or None.
         timeout_s: per-request timeout.
+        extra_body: fields merged into every request body (e.g. a ``response_format``).
     """
 
     backend: str
@@ -41,6 +42,7 @@ class RequestSettings:
     ignore_eos: bool = False
     api_key: str | None = None
     timeout_s: float = 600.0
+    extra_body: dict | None = None
 
 
 @dataclass
@@ -82,6 +84,8 @@ def build_payload(settings: RequestSettings, request: SampleRequest) -> dict:
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         body["prompt"] = request.prompt
+    if settings.extra_body:
+        body.update(settings.extra_body)
     return body
 
 

@@ -40,6 +40,23 @@ from pdserve.benchmark.request_func import (
 )
 
 
+def _extra_body(text: str | None) -> dict | None:
+    """``--extra-body``: a JSON object, or ``@FILE`` holding one.
+
+    Raises:
+        ValueError: not a JSON object.
+    """
+    if not text:
+        return None
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    body = json.loads(text)
+    if not isinstance(body, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    return body
+
+
 def arrival_offsets_s(num_requests: int, request_rate: float, burstiness: float,
                       seed: int) -> list[float]:
     """Send times relative to the start: gamma-distributed gaps with mean ``1/rate``
@@ -170,7 +187,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     settings = RequestSettings(
         backend=args.backend, url=base_url + (args.endpoint or BACKEND_ENDPOINTS[args.backend]),
         model=model, temperature=args.temperature, ignore_eos=args.ignore_eos,
-        api_key=api_key, timeout_s=args.request_timeout)
+        api_key=api_key, timeout_s=args.request_timeout, extra_body=_extra_body(args.extra_body))
     offsets = arrival_offsets_s(len(requests), args.request_rate, args.burstiness, args.seed)
     outputs, duration = asyncio.run(run_requests(settings, requests, offsets,
                                                  args.max_concurrency, not args.disable_tqdm))

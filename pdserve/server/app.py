@@ -18,6 +18,7 @@ from pdserve.server.errors import APIError
 from pdserve.server.protocol import ModelCard, ModelList, error_body
 from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
+from pdserve.server.serving_tokenize import detokenize, tokenize
 from pdserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,14 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         raw = await request.body()
         return await _unless_disconnected(request, create_completion(state, raw))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenize(state, await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await detokenize(state, await request.body())
 
     @app.get("/v1/models")
     async def models():

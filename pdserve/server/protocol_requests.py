@@ -75,6 +75,11 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = None  # null: the default (no usage chunk)
 
 
+#: vLLM's older request fields -> their ``structured_outputs`` names.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
 def _refuse_fields(data: Any, refused: dict[str, Any]) -> None:
     """Raises naming the first field that would change the output and is not supported.
 
@@ -142,6 +147,23 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         _refuse_fields(data, cls.REFUSED_FIELDS)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields(cls, data: Any) -> Any:
+        """vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+        ``guided_grammar`` fields, read as ``structured_outputs`` (never ignored)."""
+        if not isinstance(data, dict):
+            return data
+        guided = {key: data[key] for key in _GUIDED_FIELDS if data.get(key) is not None}
+        if not guided:
+            return data
+        if data.get("structured_outputs") is not None:
+            raise param_error("request", next(iter(guided)),
+                              "send either structured_outputs or guided_* fields", None)
+        data = {k: v for k, v in data.items() if k not in _GUIDED_FIELDS}
+        data["structured_outputs"] = {_GUIDED_FIELDS[k]: v for k, v in guided.items()}
         return data
 
     @field_validator("stop", mode="before")
@@ -453,12 +475,13 @@ class CompletionRequest(_SamplingRequest):
             )
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _reject_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    @model_validator(mode="after")
+    def _check_echo(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            message = ("echo with logprobs (the prompt's logprobs) is not supported; "
+                       "send echo without logprobs, or logprobs without echo")
+            raise param_error(type(self).__name__, "echo", message, self.echo)
+        return self
 
     @property
     def num_top_logprobs(self) -> int | None:

@@ -44,13 +44,18 @@ from pdserve.server.tools.parsers import StreamDelta, ToolCallParser, get_tool_p
 from pdserve.server.tools.prompt import render_messages
 
 
-def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """Apply the model's chat template (generation prompt added, tools rendered) and
-    tokenize."""
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """Apply the model's chat template (tools rendered, the assistant's turn opened unless
+    ``add_generation_prompt`` is false) and tokenize.
+
+    Raises:
+        APIError: 400 when the template refuses the conversation.
+    """
     messages, kwargs = render_messages(req, getattr(state.tokenizer, "chat_template", None))
     try:
         out = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **kwargs)
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
     except Exception as exc:  # a template may raise on role order etc.
         raise APIError(400, f"chat template could not be applied: {exc}", "messages") from None
     if hasattr(out, "keys"):

@@ -115,10 +115,18 @@ async def create_completion(state: ServerState, raw: bytes):
         raise
     created = int(time.time())
     want_logprobs = params_list[0].logprobs is not None
+    # echo: each choice's text starts with its prompt (given text, or decoded ids)
+    echoed = [(p if isinstance(p, str) else state.tokenizer.decode(ids))
+              if req.echo else "" for p, ids in zip(req.prompt_list, prompts)]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def chunks() -> AsyncIterator[str]:
+            for i in range(num_choices if req.echo else 0):
+                yield CompletionStreamResponse(
+                    id=request_id, created=created, model=state.model_name,
+                    choices=[CompletionResponseStreamChoice(index=i, text=echoed[i // n])],
+                    system_fingerprint=state.system_fingerprint).model_dump_json()
             async for ev in _merged(gens, n):
                 if not ev.text and ev.finish_reason is None and not want_logprobs:
                     continue
@@ -137,7 +145,7 @@ async def create_completion(state: ServerState, raw: bytes):
 
         return StreamingResponse(sse(chunks()), media_type="text/event-stream")
 
-    texts = [""] * num_choices
+    texts = [echoed[i // n] for i in range(num_choices)]
     lps: list[list[TokenLogprob] | None] = [None] * num_choices
     finish: list[str | None] = [None] * num_choices
     try:
@@ -151,7 +159,8 @@ async def create_completion(state: ServerState, raw: bytes):
         raise worker_error(exc) from None
     choices = [CompletionResponseChoice(
         index=i, text=texts[i], finish_reason=finish[i],
-        logprobs=completion_logprobs(state.tokenizer, lps[i]) if want_logprobs else None)
+        logprobs=completion_logprobs(state.tokenizer, lps[i], offset=len(echoed[i // n]))
+        if want_logprobs else None)
         for i in range(num_choices)]
     resp = CompletionResponse(id=request_id, created=created, model=state.model_name,
                               choices=choices, usage=_usage(gens),

