@@ -408,8 +408,7 @@ class ModelRunner:
                                         logits.shape[-1])
         if masks is not None and masks.plain_rows:
             smeta.grammar_bitmask = masks.plain_bitmask
-            smeta.grammar_rows = torch.tensor(masks.plain_rows, dtype=torch.int64,
-                                              device=self.device)
+            smeta.grammar_rows = masks.plain_rows
         out = self.sampler(logits, smeta, self.default_generator)
         tokens = out.sampled_token_ids.tolist()
         lps = _token_logprobs(reqs, [[t] for t in tokens], out.logprobs)
@@ -431,9 +430,8 @@ class ModelRunner:
                                         logits.shape[-1])
         target = logits
         if masks is not None and masks.verify_rows:
-            target = apply_token_bitmask(
-                logits.float().clone(), masks.verify_bitmask,
-                torch.tensor(masks.verify_rows, dtype=torch.int64, device=self.device))
+            target = apply_token_bitmask(logits.float().clone(), masks.verify_bitmask,
+                                         masks.verify_rows)
         out = self.rejection_sampler(
             target, [s.spec_token_ids for s, _ in verify],
             [s.spec_draft_probs for s, _ in verify], smeta, self.default_generator)

@@ -51,7 +51,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # K of the top-logprobs output; None if no row asked
     # grammar masks (structured outputs), set by the model runner after build()
     grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32
-    grammar_rows: torch.Tensor | None = None  # [R] int64, the rows grammar_bitmask masks
+    grammar_rows: list[int] | None = None  # the R rows grammar_bitmask masks, in order
 
     @property
     def num_rows(self) -> int:

