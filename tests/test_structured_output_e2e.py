@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
+from typing import Annotated
 
 import httpx
 import jsonschema
@@ -41,7 +42,7 @@ class Person(BaseModel):
     name: str = Field(max_length=24)
     age: int = Field(ge=0, le=120)
     favorite_color: Color
-    hobbies: list[str] = Field(max_length=3)
+    hobbies: list[Annotated[str, Field(max_length=20)]] = Field(max_length=3)
     address: Address
 
 
@@ -100,7 +101,8 @@ def test_parse_returns_valid_objects_for_twenty_prompts_greedy_and_sampled(clien
 
 
 def test_json_object_answers_parse_as_objects(client):
-    questions = [f"Return a small JSON object about {s}." for s in SUBJECTS[:10]]
+    questions = [f'Describe {s} as a JSON object with the keys "name" and "age".'
+                 for s in SUBJECTS[:10]]
 
     def ask(question: str) -> str:
         resp = client.chat.completions.create(
