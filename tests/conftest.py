@@ -71,3 +71,20 @@ def tiny_llama_checkpoint(tmp_path_factory):
     """``(checkpoint_dir, transformers_model)`` of the tiny Llama alone."""
     out = tmp_path_factory.mktemp("tiny-llama-only")
     return out, build_tiny_checkpoint("llama", out)
+
+
+#: Test files that take minutes, slowest first. They are collected first, so that with
+#: ``pytest -n 2 --dist loadfile`` (the README's command) both workers start on them and the
+#: many short files fill in around them, instead of two long files running last side by side.
+SLOW_FILES_FIRST = (
+    "test_disaggregated_faults.py", "test_quantization_smollm2.py",
+    "test_disaggregated_e2e.py", "test_structured_output_engine.py",
+    "test_eagle_smollm2_head.py", "test_fp8_kv_cache.py", "test_structured_output_e2e.py",
+    "test_server_errors.py", "test_smollm2.py", "test_loader.py", "test_spec_decode_smollm2.py",
+    "test_local_cluster.py", "test_deploy_live.py", "test_server_e2e.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file

@@ -97,7 +97,7 @@ def test_regex_and_choice_outputs_match_exactly(llm):
 
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
 def test_speculation_under_a_grammar_is_lossless_and_valid(llm, method):
-    prompts = person_prompts(llm)[:6]
+    prompts = person_prompts(llm)[:4]
     plain = llm.generate(prompts, constrained(temperature=0), detokenize=False)
     spec = LLM(None, dtype="float32", load_progress=False, speculative_method=method,
                num_speculative_tokens=3, speculative_disable_by_batch_size=0,
