@@ -14,6 +14,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist, test worker ``gwN`` and every process it starts (servers,
+    workers, CLIs) keep to core ``N``: two OpenMP pools of two threads each on two cores
+    spin against each other at every barrier, which made one test 20x slower. pdserve's
+    workers size their thread pools from the cores they are given, so they follow."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if len(cores) < 2 or count < 2:
+        return
+    share = len(cores) // count or 1
+    index = int(worker[2:]) % count
+    mine = cores[index * share:(index + 1) * share] or cores[:1]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+
+
+_pin_xdist_worker()
+
 #: Small architectures under test, each exercising a different feature.
 TINY_CONFIGS = {
     # Llama with llama3 RoPE scaling, untied LM head, GQA 4:2.
