@@ -95,9 +95,9 @@ def tiny_llama_checkpoint(tmp_path_factory):
     return out, build_tiny_checkpoint("llama", out)
 
 
-#: Test files that take minutes, slowest first. They are collected first, so that with
-#: ``pytest -n 2 --dist loadfile`` (the README's command) both workers start on them and the
-#: many short files fill in around them, instead of two long files running last side by side.
+#: Test files that take minutes, slowest first; they are collected first. NOTE: measured
+#: with ``pytest -n 2 --dist loadfile``, xdist's file scheduling did not follow this order
+#: (the disaggregated files still ran last); it orders serial runs only.
 SLOW_FILES_FIRST = (
     "test_disaggregated_faults.py", "test_quantization_smollm2.py",
     "test_disaggregated_e2e.py", "test_structured_output_engine.py",
