@@ -100,3 +100,31 @@ def test_abort_mid_generation_returns_every_block(reference):
     assert engine.num_free_blocks == initial
     assert not engine.has_unfinished_requests
     assert engine.step() == []
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_a_warm_prefix_cache(tiny_model):
+    """Prompt logprobs (OpenAI echo + logprobs) equal transformers' log-softmax at every
+    prompt position, when the prompt is split over prefill chunks and when the prefix
+    cache already holds it (such a request skips the cache rather than lose positions)."""
+    arch, path, model = tiny_model
+    prompt = make_prompts([150], seed=21)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    want = ref[:-1].gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    llm = LLM(str(path), dtype="float32", load_progress=False, block_size=16,
+              max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    llm.generate([prompt], GREEDY, detokenize=False)  # the prompt is now in the prefix cache
+    for out in llm.generate([prompt, prompt], params, detokenize=False):
+        lps = out.prompt_logprobs
+        assert [lp.token_id for lp in lps] == prompt[1:]
+        got = torch.tensor([lp.logprob for lp in lps])
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+        top = ref[:-1].topk(3, dim=-1).indices
+        agree = sum(lp.top_token_ids == t.tolist() for lp, t in zip(lps, top))
+        assert agree >= len(lps) - 2  # ties in fp32 may swap neighbours
+        assert all(lp.rank == int((r > r[t]).sum()) + 1
+                   for lp, r, t in zip(lps[:5], ref[:5], prompt[1:6]))
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+    plain = llm.generate([prompt], GREEDY, detokenize=False)[0]
+    assert plain.prompt_logprobs is None

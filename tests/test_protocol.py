@@ -149,7 +149,6 @@ BAD_COMPLETION_BODIES = [
     ("prompt_missing", completion_body(prompt=DROP), "prompt"),
     ("logprobs_above_5", completion_body(logprobs=6), "logprobs"),
     ("logprobs_bool", completion_body(logprobs=True), "logprobs"),
-    ("echo_with_logprobs", completion_body(echo=True, logprobs=1), "echo"),
     ("max_tokens_zero", completion_body(max_tokens=0), "max_tokens"),
     ("n_zero", completion_body(n=0), "n"),
     ("temperature_above_2", completion_body(temperature=3), "temperature"),

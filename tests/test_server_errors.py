@@ -94,8 +94,6 @@ BAD_REQUESTS = [
     case("stream_options-without-stream", chat(stream_options={"include_usage": True}),
          "stream_options"),
     case("completion-logprobs-10", completion(logprobs=10), "logprobs", path=COMPLETIONS),
-    case("completion-echo-with-logprobs", completion(echo=True, logprobs=1), "echo",
-         path=COMPLETIONS),
     # -- context length
     case("max_tokens-over-context", chat(max_tokens=MAX_MODEL_LEN), "max_tokens",
          code="context_length_exceeded"),

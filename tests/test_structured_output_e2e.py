@@ -100,6 +100,30 @@ def test_parse_returns_valid_objects_for_twenty_prompts_greedy_and_sampled(clien
     assert len(people) == 20 and all(isinstance(p, Person) for p in people)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_parse_under_speculation_returns_valid_objects(method):
+    """The same twenty parse() calls on a server that speculates (n-gram prompt lookup, the
+    shipped EAGLE head) at every batch size: drafts are verified against the grammar."""
+    args = ["--speculative-method", method, "--speculative-disable-by-batch-size", "0",
+            "--no-enable-prefix-caching"]
+    if method == "eagle":
+        args += ["--speculative-model", "default"]
+    srv = ServerProcess(*args)
+    try:
+        spec = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0,
+                             timeout=600)
+        cases = [(s, i % 2 == 1, 0.0 if i < 10 else 0.8) for i, s in enumerate(SUBJECTS)]
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            people = list(pool.map(lambda c: ask_person(spec, *c), cases))
+        assert len(people) == 20 and all(isinstance(p, Person) for p in people)
+        m = wait_idle(srv)
+        assert m["pdserve:spec_decode_num_drafts_total{}"] > 0
+        assert m["pdserve:spec_decode_num_accepted_tokens_total{}"] > 0
+    finally:
+        srv.stop()
+
+
 def test_json_object_answers_parse_as_objects(client):
     questions = [f'Describe {s} as a JSON object with the keys "name" and "age".'
                  for s in SUBJECTS[:10]]
@@ -243,6 +267,36 @@ def test_echo_prepends_the_prompt_streamed_and_not(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)
                        if c.choices)
     assert streamed == whole
+
+
+def test_echo_with_logprobs_scores_every_prompt_token(client):
+    """echo + logprobs: the prompt's tokens come first, the first unscored (null); the score
+    of the prompt's last token equals that token's logprob when it is generated instead."""
+    prompt = "The capital of France is"
+    gen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                    logprobs=2)
+    first = gen.choices[0].logprobs
+    kw = dict(model=MODEL, prompt=prompt + gen.choices[0].text, max_tokens=3, temperature=0,
+              echo=True, logprobs=2)
+    whole = client.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    n_prompt = len(client.completions.create(**{**kw, "max_tokens": 1}).choices[0]
+                   .logprobs.tokens) - 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert len(lp.tokens) == n_prompt + 3
+    assert "".join(lp.tokens) == whole.text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    # the generated token's logprob (decode step) == its score as a prompt token (prefill)
+    assert lp.tokens[n_prompt - 1] == first.tokens[0]
+    assert abs(lp.token_logprobs[n_prompt - 1] - first.token_logprobs[0]) < 0.05
+    streamed = [c.choices[0] for c in client.completions.create(stream=True, **kw)
+                if c.choices]
+    assert "".join(c.text for c in streamed) == whole.text
+    assert streamed[0].logprobs.tokens == lp.tokens[:n_prompt]
+    assert streamed[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:n_prompt], abs=1e-3)
 
 
 def test_stream_options_include_usage_null_is_the_default(client):

@@ -81,7 +81,7 @@ class BlockManager:
         At least one token is always left to compute (its logits are needed), so a fully
         cached request recomputes its last block rather than writing into a shared one.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return []
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

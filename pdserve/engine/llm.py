@@ -103,6 +103,8 @@ class LLM:
                 comp.token_ids.extend(delta.new_token_ids)
                 if delta.new_logprobs is not None:
                     comp.logprobs = (comp.logprobs or []) + list(delta.new_logprobs)
+                if delta.prompt_logprobs is not None and j == 0:
+                    results[i].prompt_logprobs = list(delta.prompt_logprobs)
                 if delta.finished:
                     comp.finish_reason = delta.finish_reason
                     results[i].num_cached_tokens = delta.num_cached_tokens

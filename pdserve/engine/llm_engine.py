@@ -309,6 +309,8 @@ class LLMEngine:
             if streamed:
                 self.runner.model.model.layer_done_hook = None
         num_accepted = dict(zip(out.request_ids, out.num_accepted_tokens))
+        for request_id, items in out.prompt_logprobs.items():
+            self.requests[request_id].prompt_logprobs.extend(items)
         for s in sched.scheduled:
             req = s.request
             # rejected drafts' K/V stays in the slots past num_computed_tokens (overwritten later)
@@ -345,14 +347,19 @@ class LLMEngine:
                 del self.requests[request_id]
                 finished.add(request_id)
             queue_time_s = None
-            if req.num_output_tokens == len(new_ids) and req.first_scheduled_s is not None:
+            first_delta = req.num_output_tokens == len(new_ids)
+            if first_delta and req.first_scheduled_s is not None:
                 queue_time_s = req.first_scheduled_s - req.added_s
+            prompt_lps = None
+            if first_delta and req.sampling_params.prompt_logprobs is not None:
+                prompt_lps = req.prompt_logprobs
             deltas.append(RequestDelta(
                 request_id=request_id, new_token_ids=new_ids,
                 new_logprobs=logprobs[:len(new_ids)] if logprobs is not None else None,
                 finish_reason=status.finish_reason if status else None,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time_s,
+                prompt_logprobs=prompt_lps,
             ))
         if self.proposer is not None:
             cap = self.config.spec_disable_batch_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -57,6 +57,9 @@ class ModelRunnerOutput:
             asked for logprobs, else None.
         num_draft_tokens: per request, the drafts it verified (0 without speculation).
         num_accepted_tokens: per request, how many of them were accepted.
+        prompt_logprobs: for requests that asked for prompt logprobs and prefilled part of
+            their prompt this step, the logprobs of the prompt tokens that part predicts, in
+            position order (any scheduled request, sampling or not).
     """
 
     request_ids: list[str]
@@ -64,6 +67,11 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprob] | None]
     num_draft_tokens: list[int]
     num_accepted_tokens: list[int]
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+#: Prompt rows per LM-head call when computing prompt logprobs (bounds ``[rows, vocab]``).
+PROMPT_LOGPROBS_SLICE = 256
 
 
 @dataclass
@@ -371,6 +379,7 @@ class ModelRunner:
         self.last_step = StepHidden(hidden if features is None else features, query_starts,
                                     [s.request.num_computed_tokens for s in sched.scheduled])
         step_masks = masks.result() if masks is not None else None
+        prompt_lps = self._prompt_logprobs(hidden, sched.scheduled, query_starts)
         results: dict[str, tuple[list[int], list[TokenLogprob] | None, int, int]] = {}
         if plain:
             results.update(self._sample_plain(hidden, plain, step_masks))
@@ -384,7 +393,43 @@ class ModelRunner:
             logprobs=[results[r][1] for r in order],
             num_draft_tokens=[results[r][2] for r in order],
             num_accepted_tokens=[results[r][3] for r in order],
+            prompt_logprobs=prompt_lps,
         )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest],
+                         query_starts: list[int]) -> dict[str, list[TokenLogprob]]:
+        """Logprobs of the prompt tokens this step's prefill rows predict.
+
+        Row ``i`` of a request's chunk (position ``p``) scores prompt token ``p + 1`` under
+        the raw model (no penalties, temperature or grammar, as in vLLM). Positions already
+        collected (before a preemption) are skipped. Rows go through the LM head in slices
+        of :data:`PROMPT_LOGPROBS_SLICE` so a long chunk never holds ``[L, vocab]`` logits.
+        """
+        out: dict[str, list[TokenLogprob]] = {}
+        for s, q0 in zip(scheduled, query_starts):
+            req = s.request
+            if not req.needs_prompt_logprobs:
+                continue
+            start = req.num_computed_tokens
+            first = max(start, len(req.prompt_logprobs))
+            last = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)  # exclusive
+            if first >= last:
+                continue
+            k = req.sampling_params.prompt_logprobs
+            items: list[TokenLogprob] = []
+            for a in range(first, last, PROMPT_LOGPROBS_SLICE):
+                b = min(last, a + PROMPT_LOGPROBS_SLICE)
+                logits = self.model.compute_logits(hidden[q0 + a - start:q0 + b - start])
+                raw = torch.log_softmax(logits.float(), dim=-1)
+                targets = torch.tensor(req.token_ids[a + 1:b + 1], dtype=torch.int64,
+                                       device=raw.device)
+                lp = gather_logprobs(raw, targets, k)
+                vals, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
+                top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
+                items.extend(TokenLogprob(t, v, r, ti, tl) for t, v, r, ti, tl in zip(
+                    req.token_ids[a + 1:b + 1], vals, ranks, top_ids, top_lps))
+            out[req.request_id] = items
+        return out
 
     def _sampling_metadata(self, requests: list, output_token_ids: list[list[int]],
                            vocab_size: int) -> SamplingMetadata:

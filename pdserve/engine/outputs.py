@@ -39,6 +39,8 @@ class RequestDelta(msgspec.Struct, frozen=True):
         num_prompt_tokens: prompt length.
         num_cached_tokens: prompt tokens served from the prefix cache.
         queue_time_s: on a request's first delta, seconds it waited before being scheduled.
+        prompt_logprobs: on a request's first delta, when it asked for them: one entry per
+            prompt token after the first (its logprob given the tokens before it).
     """
 
     request_id: str
@@ -48,6 +50,7 @@ class RequestDelta(msgspec.Struct, frozen=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,6 +77,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    #: with ``SamplingParams.prompt_logprobs``: prompt tokens ``1 ..`` scored by the model
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

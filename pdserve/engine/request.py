@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_output import GrammarMatcher
 
@@ -53,6 +54,8 @@ class Request:
             (after temperature) they were sampled from; None for point-mass drafts.
         num_draft_computed: leading tokens whose K/V the draft model (or EAGLE head) holds.
         grammar: the request's grammar matcher (structured outputs), None for free text.
+        prompt_logprobs: logprobs of prompt tokens ``1 ..`` collected so far, when
+            ``sampling_params.prompt_logprobs`` asks for them (filled chunk by chunk).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -80,6 +83,7 @@ class Request:
         self.spec_draft_probs: torch.Tensor | None = None
         self.num_draft_computed = 0
         self.grammar: GrammarMatcher | None = None
+        self.prompt_logprobs: list[TokenLogprob] = []
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=device)
@@ -92,6 +96,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs are asked for and not all collected yet."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -30,6 +30,10 @@ class SamplingParams:
     - ``seed`` makes sampling reproducible for this request whatever the batch.
     - ``logprobs``: ``None`` returns none; ``k >= 0`` returns the sampled token's logprob
       and the ``k`` most likely tokens' logprobs.
+    - ``prompt_logprobs``: ``None`` returns none; ``k >= 0`` returns, for every prompt token
+      after the first, its logprob given the tokens before it and the ``k`` most likely
+      tokens there (OpenAI's ``echo`` with ``logprobs``). Such a request skips the prefix
+      cache, since cached positions are never run through the model.
     - ``max_tokens`` caps generated tokens (``None``: up to the context length);
       ``min_tokens`` suppresses EOS and ``stop_token_ids`` until that many are generated;
       ``ignore_eos`` keeps generating past EOS.
@@ -55,6 +59,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
@@ -84,6 +89,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs}")
         if self.logit_bias:
             for token_id, bias in self.logit_bias.items():
                 if not isinstance(token_id, int) or token_id < 0:

@@ -14,7 +14,9 @@ already cached on the chosen decode worker (as far as the router can tell, see
 loaded ones, the one holding the longest prefix), which prefills them itself (``local``); longer ones are
 prefilled by the least-loaded prefill worker and their KV pushed to a decode worker that
 reserved blocks first (``remote_prefill``); with no prefill worker alive they fall back to
-a decode worker (``fallback``). The handshake::
+a decode worker (``fallback``). A request asking for prompt logprobs is always ``local``:
+its prompt must run through the model on the worker that reports them, and a prefill worker
+reports only the first token. The handshake::
 
     D <- ExpectRemoteKV         D -> KVReserved      (refused for capacity: retry, then 503)
     P <- PrefillRequest(dest=D) P -> PrefillDone     (first token: streamed to the client)
@@ -241,7 +243,8 @@ class Router:
         if decode is None:
             raise NoWorkerAvailable("no decode worker is available")
         route = "local"
-        if len(prompt_token_ids) - num_cached >= self.routing.prefill_threshold:
+        if params.prompt_logprobs is None and \
+                len(prompt_token_ids) - num_cached >= self.routing.prefill_threshold:
             prefill = self.registry.least_loaded("prefill")
             if prefill is not None and decode.info.kv_address:
                 route = "remote_prefill"

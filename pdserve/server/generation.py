@@ -99,6 +99,8 @@ class Generation:
     first_token_s: float | None = None
     last_token_s: float | None = None
     finish_reasons: list[str | None] = field(default_factory=list)
+    #: prompt tokens 1.. scored by the model, when the request asked (first delta)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -133,6 +135,8 @@ class Generation:
                 m.inter_token_latency.labels(m.model_name).observe(now - self.last_token_s)
             if index == 0:
                 self.last_token_s = now
+            if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = list(delta.prompt_logprobs)
             if delta.queue_time_s is not None and index == 0:
                 m.request_queue_time.labels(m.model_name).observe(delta.queue_time_s)
             c.num_tokens += len(delta.new_token_ids)

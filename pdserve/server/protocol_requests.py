@@ -229,6 +229,11 @@ class _SamplingRequest(BaseModel):
         raise NotImplementedError
 
     @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token to return; ``None`` (the default): none."""
+        return None
+
+    @property
     def stop_list(self) -> list[str]:
         """The stop strings, always as a list (the server matches them, not the engine)."""
         if self.stop is None:
@@ -289,6 +294,7 @@ class _SamplingRequest(BaseModel):
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=self.num_top_logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
             structured_output=self.structured_output(),
         )
 
@@ -475,17 +481,14 @@ class CompletionRequest(_SamplingRequest):
             )
         return value
 
-    @model_validator(mode="after")
-    def _check_echo(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            message = ("echo with logprobs (the prompt's logprobs) is not supported; "
-                       "send echo without logprobs, or logprobs without echo")
-            raise param_error(type(self).__name__, "echo", message, self.echo)
-        return self
-
     @property
     def num_top_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs``: the echoed prompt carries its tokens' logprobs."""
+        return self.logprobs if self.echo else None
 
     @property
     def prompt_list(self) -> list[str | list[int]]:

@@ -174,16 +174,18 @@ class ChatCompletionStreamResponse(BaseModel):
 
 
 class CompletionLogProbs(BaseModel):
-    """Logprobs of a text completion choice, one entry per generated token in each list.
+    """Logprobs of a text completion choice, one entry per token of its text in each list.
 
     ``text_offset[i]`` is the character offset of ``tokens[i]`` in the choice's text;
     ``top_logprobs[i]`` maps each of the most likely tokens at position ``i`` to its logprob.
+    With ``echo`` the prompt's tokens come first, and the very first one, which nothing
+    predicts, has ``null`` in ``token_logprobs`` and ``top_logprobs`` (as OpenAI sends).
     """
 
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[LogProb] = Field(default_factory=list)
+    token_logprobs: list[LogProb | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, LogProb]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, LogProb] | None] = Field(default_factory=list)
 
 
 class CompletionResponseChoice(BaseModel):

@@ -69,6 +69,39 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offset: int =
                               top_logprobs=tops)
 
 
+def echo_logprobs(tokenizer, prompt_ids: list[int], lps: list[TokenLogprob] | None,
+                  num_top: int) -> CompletionLogProbs:
+    """Logprobs of an echoed prompt: every prompt token, the first one unscored (``null``).
+
+    ``lps`` holds tokens ``1 ..`` as the engine scored them; ``num_top`` is the request's
+    ``logprobs`` (top alternatives per position).
+    """
+    lps = lps or []
+    if len(lps) != len(prompt_ids) - 1:
+        raise RuntimeError(f"worker returned {len(lps)} prompt logprobs for "
+                           f"{len(prompt_ids)} prompt tokens")
+    tokens = [tokenizer.decode([t]) for t in prompt_ids]
+    offsets, offset = [], 0
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogProbs(
+        text_offset=offsets, tokens=tokens,
+        token_logprobs=[None] + [lp.logprob for lp in lps],
+        top_logprobs=[None] + [{tokenizer.decode([t]): v for t, v in zip(
+            lp.top_token_ids[:num_top], lp.top_logprobs[:num_top])} for lp in lps])
+
+
+def _joined(a: CompletionLogProbs | None, b: CompletionLogProbs | None
+            ) -> CompletionLogProbs | None:
+    if a is None or b is None:
+        return a or b
+    return CompletionLogProbs(text_offset=a.text_offset + b.text_offset,
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)
+
+
 async def _merged(gens: list[Generation], n: int) -> AsyncIterator[ChoiceEvent]:
     """Events of several prompts' generations; choice index = prompt_index * n + j."""
 
@@ -118,16 +151,30 @@ async def create_completion(state: ServerState, raw: bytes):
     # echo: each choice's text starts with its prompt (given text, or decoded ids)
     echoed = [(p if isinstance(p, str) else state.tokenizer.decode(ids))
               if req.echo else "" for p, ids in zip(req.prompt_list, prompts)]
+    num_top = params_list[0].logprobs
+
+    def echo_part(i: int) -> CompletionLogProbs | None:
+        """Choice ``i``'s echoed prompt logprobs (after its generation's first delta)."""
+        if not (req.echo and want_logprobs):
+            return None
+        gen = gens[i // n]
+        return echo_logprobs(state.tokenizer, gen.prompt_token_ids, gen.prompt_logprobs,
+                             num_top)
+
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def chunks() -> AsyncIterator[str]:
-            for i in range(num_choices if req.echo else 0):
-                yield CompletionStreamResponse(
-                    id=request_id, created=created, model=state.model_name,
-                    choices=[CompletionResponseStreamChoice(index=i, text=echoed[i // n])],
-                    system_fingerprint=state.system_fingerprint).model_dump_json()
+            echo_pending = set(range(num_choices)) if req.echo else set()
             async for ev in _merged(gens, n):
+                if ev.index in echo_pending:  # the prompt (and its logprobs) come first
+                    echo_pending.discard(ev.index)
+                    yield CompletionStreamResponse(
+                        id=request_id, created=created, model=state.model_name,
+                        choices=[CompletionResponseStreamChoice(
+                            index=ev.index, text=echoed[ev.index // n],
+                            logprobs=echo_part(ev.index))],
+                        system_fingerprint=state.system_fingerprint).model_dump_json()
                 if not ev.text and ev.finish_reason is None and not want_logprobs:
                     continue
                 yield CompletionStreamResponse(
@@ -159,7 +206,8 @@ async def create_completion(state: ServerState, raw: bytes):
         raise worker_error(exc) from None
     choices = [CompletionResponseChoice(
         index=i, text=texts[i], finish_reason=finish[i],
-        logprobs=completion_logprobs(state.tokenizer, lps[i], offset=len(echoed[i // n]))
+        logprobs=_joined(echo_part(i), completion_logprobs(
+            state.tokenizer, lps[i], offset=len(echoed[i // n])))
         if want_logprobs else None)
         for i in range(num_choices)]
     resp = CompletionResponse(id=request_id, created=created, model=state.model_name,
