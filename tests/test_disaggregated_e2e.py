@@ -6,10 +6,15 @@ from __future__ import annotations
 import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
+from typing import Annotated
 
 import httpx
 import jsonschema
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from pdserve.engine.loader.default_model import find_default_gguf
 from server_utils import (
@@ -130,27 +135,75 @@ def test_follow_up_on_a_cached_long_prefix_is_prefilled_by_the_decode_worker(dis
         sum(v for k, v in before.items() if k.startswith(served))
 
 
-def test_structured_output_through_the_prefill_worker(disagg_bf16):
-    """The prefill worker samples the first token under the grammar, the decode worker
-    continues in the same grammar state: the answer to a long prompt is valid JSON."""
-    schema = {"type": "object", "properties": {
-        "town": {"type": "string", "maxLength": 20},
-        "century": {"type": "integer", "minimum": 1, "maximum": 21},
-        "events": {"type": "array", "items": {"type": "string", "maxLength": 30},
-                   "maxItems": 2}}, "required": ["town", "century", "events"]}
+class Mood(str, Enum):
+    calm = "calm"
+    busy = "busy"
+    grim = "grim"
+
+
+class Place(BaseModel):
+    river: str = Field(max_length=20)
+    region: str = Field(max_length=20)
+
+
+class Summary(BaseModel):
+    """Nested object, an enum, a bounded list and an integer range."""
+
+    town: str = Field(max_length=20)
+    century: int = Field(ge=1, le=21)
+    mood: Mood
+    events: list[Annotated[str, Field(max_length=30)]] = Field(max_length=2)
+    place: Place
+
+
+def test_parse_through_the_prefill_worker(disagg_bf16):
+    """The prefill worker samples the first token under the grammar and the decode worker
+    continues in the same grammar state: ``parse()`` on long prompts (remote prefill),
+    greedy and sampled, streamed and not, returns objects valid against the schema."""
+    client = openai.OpenAI(base_url=disagg_bf16.base_url, api_key="unused", max_retries=0,
+                           timeout=600)
     before = metrics(disagg_bf16)
-    body = {"model": MODEL, "max_tokens": 120, "temperature": 0,
-            "messages": [{"role": "user", "content": long_prompt(11) + " Answer as JSON."}],
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "summary", "schema": schema}}}
-    resp = httpx.post(f"{disagg_bf16.base_url}/chat/completions", json=body, timeout=300)
-    assert resp.status_code == 200, resp.text
-    choice = resp.json()["choices"][0]
-    assert choice["finish_reason"] == "stop"
-    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    cases = [(11, False, 0.0), (12, True, 0.0), (13, False, 0.8), (14, True, 0.8)]
+
+    def ask(case):
+        seed, stream, temperature = case
+        kw = dict(model=MODEL, max_tokens=160, temperature=temperature, seed=seed,
+                  response_format=Summary, messages=[
+                      {"role": "user", "content": long_prompt(seed) + " Answer as JSON."}])
+        if stream:
+            with client.chat.completions.stream(**kw, stream_options={
+                    "include_usage": True}) as events:
+                completion = events.get_final_completion()
+        else:
+            completion = client.chat.completions.parse(**kw)
+        message = completion.choices[0].message
+        jsonschema.validate(json.loads(message.content), Summary.model_json_schema())
+        assert completion.usage.prompt_tokens >= 600
+        return message.parsed
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        parsed = list(pool.map(ask, cases))
+    assert all(isinstance(p, Summary) for p in parsed)
     after = wait_idle(disagg_bf16)
     key = "pdserve:route_decisions_total{route=remote_prefill}"
-    assert after[key] - before.get(key, 0) == 1
+    assert after[key] - before.get(key, 0) == len(cases)
+
+
+def test_echo_with_logprobs_of_a_long_prompt_is_prefilled_locally(disagg_bf16):
+    """Prompt logprobs need the prompt run on the worker that reports them: such a request
+    stays on the decode worker whatever its length, and scores every prompt token."""
+    before = metrics(disagg_bf16)
+    body = {"model": MODEL, "prompt": long_prompt(30), "max_tokens": 2, "temperature": 0,
+            "echo": True, "logprobs": 1}
+    resp = httpx.post(f"{disagg_bf16.base_url}/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == out["usage"]["prompt_tokens"] + 2 >= 602
+    assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+    after = wait_idle(disagg_bf16)
+    assert after["pdserve:route_decisions_total{route=local}"] - \
+        before.get("pdserve:route_decisions_total{route=local}", 0) == 1
 
 
 @pytest.mark.slow
