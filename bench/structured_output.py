@@ -100,7 +100,7 @@ def _serve() -> tuple[subprocess.Popen, str]:
 
 def http_w1(rounds: int) -> dict:
     proc, base = _serve()
-    out: dict = {"free": [], "json_schema": []}
+    out: dict = {"free": [], "json_schema": [], "tokens": {"free": [], "json_schema": []}}
     extra = json.dumps({"response_format": {"type": "json_schema", "json_schema": {
         "name": "record", "schema": SCHEMA}}})
     try:
@@ -117,6 +117,7 @@ def http_w1(rounds: int) -> dict:
                                    stdout=subprocess.DEVNULL)
                     result = json.loads((Path(tmp) / name).read_text())
                     out[label].append(result["output_throughput"])
+                    out["tokens"][label].append(result["total_output_tokens"])
     finally:
         proc.terminate()
         proc.wait(60)
