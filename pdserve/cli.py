@@ -230,6 +230,18 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="when a KV transfer fails: recompute on the decode worker, or fail")
 
 
+def _add_auth_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    g = p.add_argument_group("cluster authentication (CURVE on every zmq socket)")
+    g.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="file holding the cluster secret (>= 16 bytes), the same on the "
+                        "server and every worker (else $PDSERVE_CLUSTER_SECRET_FILE or "
+                        "$PDSERVE_CLUSTER_SECRET)" + ("; default for serve: a random one "
+                                                      "made at start" if serve else ""))
+    g.add_argument("--insecure-no-auth", action="store_true",
+                   help="run the router/worker sockets without authentication or "
+                        "encryption (anyone who can reach them can join the cluster)")
+
+
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -301,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "thread fewer than cores when decode workers share them)")
     _add_routing_args(p)
     _add_kv_args(p, "serve")
+    _add_auth_args(p, serve=True)
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -311,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-timeout", type=float, default=10.0,
                    help="seconds a request may wait for a decode worker to reserve KV")
     _add_routing_args(p)
+    _add_auth_args(p)
     p.set_defaults(func=_cmd_server)
 
     for kind, func, role in (("decode-worker", _cmd_decode_worker, "decode"),
@@ -331,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=int, default=None,
                        help="torch threads (default: one per core of --cpus)")
         _add_kv_args(p, role)
+        _add_auth_args(p)
         add_engine_args(p)
         p.set_defaults(func=func)
 

@@ -57,15 +57,45 @@ def _exit_on_sigterm(signum: int, frame) -> None:  # noqa: ARG001
     raise SystemExit(0)
 
 
+def cluster_keys_from_args(args: argparse.Namespace, *, ephemeral: bool = False):
+    """The CURVE keys a process uses (:mod:`pdserve.security`), or None with
+    ``--insecure-no-auth``. ``ephemeral``: with no secret configured, make a random one
+    (``pdserve serve``, whose workers are its own children) instead of failing.
+
+    Raises:
+        ClusterSecretError: (a ValueError) no secret, an unreadable file, one too short.
+    """
+    from pdserve.security import ClusterKeys, load_cluster_keys
+
+    if args.insecure_no_auth:
+        if args.cluster_secret_file:
+            raise ValueError("--insecure-no-auth and --cluster-secret-file exclude each other")
+        logger.warning("cluster authentication is off (--insecure-no-auth): anyone who can "
+                       "reach the router and KV ports can join this cluster")
+        return None
+    keys = load_cluster_keys(args.cluster_secret_file, required=not ephemeral)
+    return keys if keys is not None else ClusterKeys.generate()
+
+
 def spawn_worker(kind: str, model: str | None, router_address: str,
-                 engine_argv: list[str], worker_id: str) -> subprocess.Popen:
+                 engine_argv: list[str], worker_id: str,
+                 cluster_keys=None) -> subprocess.Popen:
     """Start ``pdserve <kind>`` as a child process that dies with us, logging at this
-    process's level (``pdserve --log-level``)."""
+    process's level (``pdserve --log-level``). The cluster secret travels in the child's
+    environment (never on its command line); without keys the child runs
+    ``--insecure-no-auth``."""
+    from pdserve.security import SECRET_ENV, SECRET_FILE_ENV
+
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    auth_argv = ["--insecure-no-auth"]
+    if cluster_keys is not None:
+        env.update(cluster_keys.child_env())
+        auth_argv = []
     cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", level, kind,
            *([model] if model else []), "--router", router_address, "--worker-id", worker_id,
-           *engine_argv]
-    return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+           *engine_argv, *auth_argv]
+    return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)
 
 
 def _worker_id(proc: subprocess.Popen) -> str:
@@ -111,7 +141,7 @@ def stop_processes(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def build_server_state(args: argparse.Namespace, router_address: str):
+def build_server_state(args: argparse.Namespace, router_address: str, cluster_keys=None):
     """Resolve the model, load its tokenizer, create router + metrics."""
     from pdserve.engine.config import ModelArchConfig
     from pdserve.engine.loader import load_checkpoint, load_tokenizer, resolve_model
@@ -127,7 +157,8 @@ def build_server_state(args: argparse.Namespace, router_address: str):
     routing = RoutingConfig(prefill_threshold=args.prefill_threshold,
                             kv_failure_policy=args.kv_failure_policy,
                             reserve_timeout_s=args.kv_transfer_timeout)
-    router = Router(router_address, routing, metrics, max_num_inflight=args.max_num_inflight)
+    router = Router(router_address, routing, metrics, max_num_inflight=args.max_num_inflight,
+                    cluster_keys=cluster_keys)
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
     return ServerState(
         router=router, tokenizer=tokenizer, model_name=name,
@@ -199,7 +230,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     check_port_free(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     router_address = args.router_address or f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
-    state = build_server_state(args, router_address)
+    keys = cluster_keys_from_args(args, ephemeral=True)
+    state = build_server_state(args, router_address, keys)
     num_prefill = 0 if args.colocated else args.num_prefill
     num_decode = 1 if args.colocated else args.num_decode
     kv_argv = ["--kv-transport", args.kv_transport,
@@ -207,12 +239,13 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
     prefill_plans, decode_plans = plan_worker_cpus(
         available_cpus(), num_prefill, num_decode, args.prefill_cpus, args.decode_cpus)
     workers = [spawn_worker("decode-worker", args.model, state.router.address,
-                            engine_argv + kv_argv + plan.argv(), f"decode-{os.getpid()}-{i}")
+                            engine_argv + kv_argv + plan.argv(), f"decode-{os.getpid()}-{i}",
+                            keys)
                for i, plan in enumerate(decode_plans)]
     workers += [spawn_worker("prefill-worker", args.model, state.router.address,
                              engine_argv + kv_argv + plan.argv() + [
                                  "--kv-transfer-dtype", args.kv_transfer_dtype],
-                             f"prefill-{os.getpid()}-{i}")
+                             f"prefill-{os.getpid()}-{i}", keys)
                 for i, plan in enumerate(prefill_plans)]
     try:
         return asyncio.run(_serve_http(state, args.host, args.port, workers, True))
@@ -224,7 +257,8 @@ def run_server(args: argparse.Namespace) -> int:
     """``pdserve server``: API server + router only; workers connect to ``--router-address``."""
     check_port_free(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    state = build_server_state(args, args.router_address or "tcp://0.0.0.0:5557")
+    keys = cluster_keys_from_args(args)
+    state = build_server_state(args, args.router_address or "tcp://0.0.0.0:5557", keys)
     print(f"pdserve: router listening at {state.router.address}", flush=True)
     return asyncio.run(_serve_http(state, args.host, args.port, [], False))
 
@@ -239,6 +273,7 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     if not 0 <= args.metrics_port < 65536:
         raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     role = "decode" if args.command == "decode-worker" else "prefill"
+    keys = cluster_keys_from_args(args)  # before loading: a missing secret fails fast
     applied = apply_worker_cpus(args.cpus, args.threads)
     logger.info("%s worker on cores %s with %d torch threads", role,
                 format_cpu_list(applied.cpus), applied.num_threads)
@@ -250,7 +285,7 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     engine = LLMEngine(config)
     name = args.served_model_name or served_model_name(args.model, engine.model_path)
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-    worker = make_worker(engine, worker_id, name)
+    worker = make_worker(engine, worker_id, name, keys)
     metrics_server = None
     if args.metrics_port:
         try:
@@ -273,17 +308,17 @@ def run_decode_worker(args: argparse.Namespace) -> int:
     from pdserve.kvtransfer.addressing import kv_listen_address
 
     listen = kv_listen_address(args.kv_host, args.kv_port, args.router)
-    return _run_worker(args, lambda engine, worker_id, name: DecodeWorker(
+    return _run_worker(args, lambda engine, worker_id, name, keys: DecodeWorker(
         engine, args.router, worker_id, name, kv_transport=args.kv_transport,
         kv_transfer_timeout_s=args.kv_transfer_timeout, kv_address=listen.bind,
-        kv_advertise_host=listen.advertise_host))
+        kv_advertise_host=listen.advertise_host, cluster_keys=keys))
 
 
 def run_prefill_worker(args: argparse.Namespace) -> int:
     """``pdserve prefill-worker``: load the engine, register with the router, prefill."""
     from pdserve.prefill_worker.worker import PrefillWorker
 
-    return _run_worker(args, lambda engine, worker_id, name: PrefillWorker(
+    return _run_worker(args, lambda engine, worker_id, name, keys: PrefillWorker(
         engine, args.router, worker_id, name, kv_transport=args.kv_transport,
         kv_transfer_dtype=args.kv_transfer_dtype,
-        kv_transfer_timeout_s=args.kv_transfer_timeout))
+        kv_transfer_timeout_s=args.kv_transfer_timeout, cluster_keys=keys))

@@ -12,6 +12,7 @@ import time
 import zmq
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.security import ClusterKeys, secure_client
 from pdserve.worker_metrics import KVTransferTotals
 from pdserve.messages import (
     AbortRequests,
@@ -44,13 +45,17 @@ class EngineWorker:
         worker_id: unique name; the zmq identity.
         model_name: served model name reported to the router.
         heartbeat_interval_s: load report period.
+        cluster_keys: the deployment's CURVE keys (:mod:`pdserve.security`); None runs
+            unauthenticated (``--insecure-no-auth``).
     """
 
     role = "decode"
 
     def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
-                 model_name: str, heartbeat_interval_s: float = 1.0) -> None:
+                 model_name: str, heartbeat_interval_s: float = 1.0,
+                 cluster_keys: ClusterKeys | None = None) -> None:
         self.engine = engine
+        self.cluster_keys = cluster_keys
         self.router_address = router_address
         self.worker_id = worker_id
         self.model_name = model_name
@@ -60,6 +65,7 @@ class EngineWorker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, cluster_keys)
         self.sock.connect(router_address)
         self.send_lock = threading.Lock()
         self.is_registered = False
@@ -124,6 +130,7 @@ class EngineWorker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, self.cluster_keys)
         sock.connect(self.router_address)
         codec = MessageCodec()
         try:

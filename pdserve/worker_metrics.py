@@ -26,12 +26,15 @@ class KVTransferTotals:
         num_bytes_received: payload + scale bytes received from prefill workers.
         num_transfers_sent: requests whose KV was pushed successfully.
         num_transfers_failed: pushes that failed.
+        num_refused_connections: connections to this worker's KV port refused for want of
+            the cluster's key (CURVE; see :mod:`pdserve.security`).
     """
 
     num_bytes_sent: int = 0
     num_bytes_received: int = 0
     num_transfers_sent: int = 0
     num_transfers_failed: int = 0
+    num_refused_connections: int = 0
 
 
 class WorkerCollector:
@@ -88,6 +91,9 @@ class WorkerCollector:
                             kv.num_transfers_sent)
         yield self._counter("pdserve:kv_transfers_failed", "KV pushes that failed.",
                             kv.num_transfers_failed)
+        yield self._counter("pdserve:refused_connections", "Connections to this worker's "
+                            "KV port refused: no or the wrong cluster key.",
+                            kv.num_refused_connections)
         yield self._counter("pdserve:spec_decode_num_drafts", "Speculative drafts verified.",
                             load.num_spec_drafts)
         yield self._counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens verified.",

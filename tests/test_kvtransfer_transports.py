@@ -256,7 +256,8 @@ def test_two_interleaved_requests_land_in_their_own_blocks(receiver):
 
 def test_oversized_message_is_refused_and_the_stream_goes_on(setup):
     transport, peer = setup
-    rx = transport.create_receiver(KVReceiverConfig(max_message_bytes=100_000))
+    # the big message (~600 kB) exceeds the limit but stays under zmq's frame cap (2x)
+    rx = transport.create_receiver(KVReceiverConfig(max_message_bytes=400_000))
     try:
         peer.command("connect", rx.address)
         assert peer.result() == ("ok", None)
@@ -335,3 +336,23 @@ def test_zmq_receiver_rejects_malformed_messages_and_goes_on():
         push.close(linger=0)
         rx.close()
         transport.close()
+
+
+def test_a_frame_far_over_the_limit_is_never_buffered_and_the_stream_goes_on(setup):
+    """zmq: a frame over twice ``max_message_bytes`` is refused by libzmq before it is
+    buffered (the sender is disconnected and reconnects); later messages arrive."""
+    transport, peer = setup
+    if transport.name != "zmq":
+        pytest.skip("a libzmq frame cap (ZMQ_MAXMSGSIZE)")
+    rx = transport.create_receiver(KVReceiverConfig(max_message_bytes=100_000))
+    try:
+        peer.command("connect", rx.address)
+        assert peer.result() == ("ok", None)
+        big = SendSpec("big", 7, tuple(range(NUM_SRC_BLOCKS)), 0, NUM_LAYERS, False)
+        small = SendSpec("small", 8, (0,), 0, 1, False)
+        peer.command("send", [big, small])
+        assert peer.result() == ("ok", None)
+        with rx.recv(timeout_s=TIMEOUT_S) as msg:
+            assert msg.header.request_id == "small"
+    finally:
+        rx.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -121,9 +122,20 @@ def role_command(host: Host, api: Host, model: str | None, engine_argv: list[str
     return cmd
 
 
+def cluster_secret_file(name: str) -> Path:
+    """The cluster's secret (CURVE keys, :mod:`pdserve.security`), made once, mode 0600."""
+    path = state_dir(name) / "cluster-secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+    return path
+
+
 def _start(state: ClusterState, host: Host, cmd: list[str]) -> None:
     log = open(state_dir(state.name) / f"{host.namespace}.log", "wb")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PDSERVE_CLUSTER_SECRET_FILE=str(cluster_secret_file(state.name)))
     proc = subprocess.Popen(["ip", "netns", "exec", host.namespace, *cmd], stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                             start_new_session=True)

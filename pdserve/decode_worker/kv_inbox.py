@@ -50,8 +50,9 @@ class KVInbox:
 
     def __init__(self, transport_name: str, num_layers: int, cache_dtype: torch.dtype,
                  stale_after_s: float = 30.0, address: str | None = None,
-                 advertise_host: str | None = None, keep_fp8: bool = False) -> None:
-        self.transport = create_transport(transport_name)
+                 advertise_host: str | None = None, keep_fp8: bool = False,
+                 cluster_keys=None) -> None:
+        self.transport = create_transport(transport_name, cluster_keys)
         self.receiver = self.transport.create_receiver(KVReceiverConfig(
             address=address, max_message_bytes=MAX_KV_MESSAGE_BYTES, num_buffers=2))
         self.address = self.receiver.address

@@ -68,15 +68,18 @@ class DecodeWorker(EngineWorker):
     def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
                  model_name: str, heartbeat_interval_s: float = 1.0,
                  kv_transport: str | None = "zmq", kv_transfer_timeout_s: float = 10.0,
-                 kv_address: str | None = None, kv_advertise_host: str | None = None) -> None:
-        super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s)
+                 kv_address: str | None = None, kv_advertise_host: str | None = None,
+                 cluster_keys=None) -> None:
+        super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s,
+                         cluster_keys)
         self.kv_transport = kv_transport
         self.kv_transfer_timeout_s = kv_transfer_timeout_s
         self.inbox = None
         if kv_transport is not None:
             self.inbox = KVInbox(kv_transport, engine.arch.num_layers, engine.runner.dtype,
                                  address=kv_address, advertise_host=kv_advertise_host,
-                                 keep_fp8=engine.runner.kv_scales is not None)
+                                 keep_fp8=engine.runner.kv_scales is not None,
+                                 cluster_keys=cluster_keys)
         self.parked: dict[str, ParkedRequest] = {}
 
     def registration_extras(self) -> dict:
@@ -171,7 +174,9 @@ class DecodeWorker(EngineWorker):
     def kv_transfer_totals(self) -> KVTransferTotals:
         if self.inbox is None:
             return KVTransferTotals()
-        return KVTransferTotals(num_bytes_received=self.inbox.num_bytes_received)
+        return KVTransferTotals(
+            num_bytes_received=self.inbox.num_bytes_received,
+            num_refused_connections=getattr(self.inbox.transport, "num_refused_peers", 0))
 
     def close(self) -> None:
         if self.inbox is not None:

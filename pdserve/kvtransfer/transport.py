@@ -156,12 +156,20 @@ TRANSPORTS: Mapping[str, str] = MappingProxyType({
 })
 
 
-def create_transport(name: str, **options) -> KVTransport:
-    """A new transport by registry name; ``options`` go to its constructor."""
+def create_transport(name: str, cluster_keys=None, **options) -> KVTransport:
+    """A new transport by registry name; ``options`` go to its constructor.
+
+    ``cluster_keys`` (:class:`pdserve.security.ClusterKeys`) goes to transports that
+    authenticate their sockets with it (``supports_cluster_keys``: zmq, under CURVE); the
+    others ignore it.
+    """
     if name not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {sorted(TRANSPORTS)}, got {name!r}")
     module_name, class_name = TRANSPORTS[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)(**options)
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if cluster_keys is not None and getattr(cls, "supports_cluster_keys", False):
+        options["cluster_keys"] = cluster_keys
+    return cls(**options)
 
 
 def check_send_buffers(header: KVHeader, buffers: Sequence) -> tuple[memoryview, memoryview]:

@@ -6,7 +6,12 @@
 
 Many senders may push to one receiver (zmq fair-queues whole messages). ``send`` waits on
 zmq's message trackers, so it returns only once zmq has let go of the caller's buffers.
-Works over ``tcp://`` (default ``tcp://127.0.0.1:*``, an ephemeral loopback port) and
+With cluster keys (:mod:`pdserve.security`) the receiver is a CURVE server that admits only
+the cluster's senders: a push from anyone else never reaches ``recv``. A message over the receiver's
+``max_message_bytes`` is refused after its header (the rest is drained, the stream goes
+on); a frame over twice that is refused by libzmq before it is buffered
+(``ZMQ_MAXMSGSIZE``: the peer is disconnected), so no sender can make the receiver hold more
+than that per connection. Works over ``tcp://`` (default ``tcp://127.0.0.1:*``, an ephemeral loopback port) and
 ``ipc://`` addresses. Needs pyzmq >= 26.4 (``Socket.recv_into``). zmq sockets are not
 thread-safe: use each sender and receiver from one thread.
 """
@@ -22,6 +27,7 @@ from pdserve.kvtransfer.errors import KVFormatError, KVTransferTimeout
 from pdserve.kvtransfer.transport import (
     KVReceiverConfig, ReceivedKV, StagingBuffers, check_send_buffers, send_within)
 from pdserve.kvtransfer.wire import KVHeader, decode_header, encode_header
+from pdserve.security import ClusterKeys, PeerGate, secure_client, secure_server
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:*"
 # Whole messages buffered per direction before send() blocks (backpressure).
@@ -30,24 +36,44 @@ LINGER_MS = 1000
 
 
 class ZmqTransport:
-    name = "zmq"
+    """zmq KV transport; with ``cluster_keys`` every socket runs CURVE (see module doc).
 
-    def __init__(self, io_threads: int = 1) -> None:
+    Attributes:
+        gate: the ZAP handler admitting senders (receiving side with keys), else None.
+    """
+
+    name = "zmq"
+    supports_cluster_keys = True
+
+    def __init__(self, io_threads: int = 1, cluster_keys: ClusterKeys | None = None) -> None:
         self._ctx = zmq.Context(io_threads)
+        self._keys = cluster_keys
+        self.gate: PeerGate | None = None
 
     def create_receiver(self, config: KVReceiverConfig) -> ZmqReceiver:
-        return ZmqReceiver(self._ctx, config)
+        if self._keys is not None and self.gate is None:
+            self.gate = PeerGate(self._ctx, self._keys)
+        return ZmqReceiver(self._ctx, config, self._keys, self.gate)
 
     def create_sender(self, address: str, *, timeout_s: float) -> ZmqSender:
-        return ZmqSender(self._ctx, address, timeout_s)
+        return ZmqSender(self._ctx, address, timeout_s, self._keys)
+
+    @property
+    def num_refused_peers(self) -> int:
+        """Connections refused for want of the cluster's key (0 without keys)."""
+        return 0 if self.gate is None else self.gate.num_refused
 
     def close(self) -> None:
+        if self.gate is not None:
+            self.gate.stop()
         self._ctx.destroy(linger=LINGER_MS)
 
 
 class ZmqSender:
-    def __init__(self, ctx: zmq.Context, address: str, timeout_s: float) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, timeout_s: float,
+                 keys: ClusterKeys | None = None) -> None:
         self._sock = ctx.socket(zmq.PUSH)
+        secure_client(self._sock, keys)
         # A multipart message counts one slot per frame against the high-water mark.
         self._sock.setsockopt(zmq.SNDHWM, 3 * MAX_QUEUED_MESSAGES)
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -102,11 +128,16 @@ class ZmqSendHandle:
 
 
 class ZmqReceiver:
-    def __init__(self, ctx: zmq.Context, config: KVReceiverConfig) -> None:
+    def __init__(self, ctx: zmq.Context, config: KVReceiverConfig,
+                 keys: ClusterKeys | None = None, gate: PeerGate | None = None) -> None:
         self._sock = ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 3 * MAX_QUEUED_MESSAGES)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes + 65536)
+        secure_server(self._sock, keys)
         self._sock.bind(config.address or DEFAULT_ADDRESS)
+        if gate is not None:
+            gate.watch(self._sock)
         self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._staging = StagingBuffers(config.num_buffers, config.max_message_bytes)
 

@@ -68,8 +68,9 @@ class KVSenderThread:
     """
 
     def __init__(self, transport_name: str, use_fp8: bool, timeout_s: float,
-                 on_done: Callable[[str, int, float, str | None], None]) -> None:
-        self.transport = create_transport(transport_name)
+                 on_done: Callable[[str, int, float, str | None], None],
+                 cluster_keys=None) -> None:
+        self.transport = create_transport(transport_name, cluster_keys)
         self.use_fp8 = use_fp8
         self.timeout_s = timeout_s
         self.on_done = on_done

@@ -39,13 +39,14 @@ class PrefillWorker(EngineWorker):
     def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
                  model_name: str, heartbeat_interval_s: float = 1.0,
                  kv_transport: str = "zmq", kv_transfer_dtype: str = "fp8",
-                 kv_transfer_timeout_s: float = 10.0) -> None:
-        super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s)
+                 kv_transfer_timeout_s: float = 10.0, cluster_keys=None) -> None:
+        super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s,
+                         cluster_keys)
         if kv_transfer_dtype not in ("fp8", "auto"):
             raise ValueError(f"kv_transfer_dtype must be 'fp8' or 'auto', got "
                              f"{kv_transfer_dtype!r}")
         self.sender = KVSenderThread(kv_transport, kv_transfer_dtype == "fp8",
-                                     kv_transfer_timeout_s, self._on_sent)
+                                     kv_transfer_timeout_s, self._on_sent, cluster_keys)
         self.pending: dict[str, tuple[PrefillRequest, float]] = {}
         self.num_kv_bytes_sent = 0  # written by the sender thread only
         self.num_kv_transfers_sent = 0

@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.engine.outputs import RequestDelta
+from pdserve.security import ClusterKeys, PeerGate, secure_server
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (
     AbortRequests,
@@ -65,6 +66,11 @@ logger = logging.getLogger(__name__)
 
 #: Wait between attempts to reserve KV blocks on a decode worker that was full.
 RESERVE_RETRY_S = 0.05
+#: Largest control message accepted (bytes); longer frames make libzmq drop the peer. A
+#: 128k-token prompt with its sampling parameters encodes to well under 2 MiB.
+MAX_CONTROL_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Pause before a failed router loop is restarted (seconds).
+LOOP_RESTART_DELAY_S = 0.1
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -169,11 +175,23 @@ class Router:
         heartbeat_interval_s: the period workers report at.
         max_missed_heartbeats: silence after which a worker is dead.
         max_num_inflight: requests in flight above which new ones get 503.
+        cluster_keys: the deployment's CURVE keys (:mod:`pdserve.security`): only peers
+            holding the cluster secret can connect; None runs unauthenticated.
+
+    Hostile input on the socket: a message with other than two frames (identity, body),
+    bytes that are not a worker message, one claiming another worker's id, one from a
+    worker that never registered, or one about a request another worker serves is dropped
+    and counted (``pdserve:dropped_messages_total{reason}``); frames over
+    :data:`MAX_CONTROL_MESSAGE_BYTES` make libzmq drop the peer before buffering them.
+    The receive and liveness loops are supervised: one that fails is logged, counted
+    (``pdserve:router_loop_restarts_total``) and restarted; :attr:`is_healthy` is False
+    while one is down.
     """
 
     def __init__(self, address: str, routing: RoutingConfig | None = None, metrics=None,
                  heartbeat_interval_s: float = 1.0, max_missed_heartbeats: int = 3,
-                 max_num_inflight: int = 1024) -> None:
+                 max_num_inflight: int = 1024,
+                 cluster_keys: ClusterKeys | None = None) -> None:
         self.bind_address = address
         self.routing = routing or RoutingConfig()
         self.metrics = metrics
@@ -184,12 +202,24 @@ class Router:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
+        self.gate: PeerGate | None = None
+        if cluster_keys is not None:
+            self.gate = PeerGate(self.ctx, cluster_keys,
+                                 lambda _addr, reason: self._count("refused_connections",
+                                                                   reason))
+            secure_server(self.sock, cluster_keys)
         self.address = self._bind(address)
+        if self.gate is not None:
+            self.gate.watch(self.sock)
         self.handles: dict[str, RequestHandle] = {}
         #: decode worker id -> prompt prefixes it is believed to hold in its prefix cache
         self.prefix_indexes: dict[str, PrefixIndex] = {}
         self.worker_registered = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        #: loops currently down (between a failure and their restart)
+        self._loops_down: set[str] = set()
+        self._dropped_logged: set[tuple[str, str]] = set()
 
     def _bind(self, address: str) -> str:
         if address.startswith("tcp://") and address.endswith(":0"):
@@ -200,8 +230,30 @@ class Router:
         return address
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._recv_loop()),
-                       asyncio.create_task(self._liveness_loop())]
+        self._tasks = [asyncio.create_task(self._supervise("receive", self._recv_loop)),
+                       asyncio.create_task(self._supervise("liveness", self._liveness_loop))]
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the router's loops run (started and none down)."""
+        return bool(self._tasks) and not self._loops_down and \
+            not any(t.done() for t in self._tasks)
+
+    async def _supervise(self, name: str, loop) -> None:
+        """Run ``loop`` forever: an exception is logged and counted, and the loop restarts
+        after :data:`LOOP_RESTART_DELAY_S` (never a silent death)."""
+        while True:
+            try:
+                await loop()
+                logger.error("router %s loop returned; restarting it", name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("router %s loop failed; restarting it", name)
+            self._loops_down.add(name)
+            self._count("router_loop_restarts", name)
+            await asyncio.sleep(LOOP_RESTART_DELAY_S)
+            self._loops_down.discard(name)
 
     async def stop(self, shutdown_workers: bool = False) -> None:
         if shutdown_workers:
@@ -210,6 +262,8 @@ class Router:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.gate is not None:
+            self.gate.stop()
         self.sock.close(0)
         self.ctx.term()
 
@@ -457,24 +511,67 @@ class Router:
 
     async def _recv_loop(self) -> None:
         while True:
-            identity, data = await self.sock.recv_multipart()
-            try:
-                msg = self.codec.decode_to_router(data)
-            except Exception as exc:
-                logger.warning("dropping malformed message from %r: %s", identity, exc)
-                continue
-            try:
-                self._dispatch(msg)
-            except Exception:  # a bad message must not stop the router
-                logger.exception("failed to handle %s", type(msg).__name__)
+            frames = await self.sock.recv_multipart(copy=True)
+            self._on_frames(frames)
 
-    def _dispatch(self, msg) -> None:
+    def _drop(self, reason: str, sender: str, detail: str) -> None:
+        """Count a dropped message; log the first of each (reason, sender)."""
+        self._count("dropped_messages", reason)
+        key = (reason, sender)
+        if key not in self._dropped_logged and len(self._dropped_logged) < 1024:
+            self._dropped_logged.add(key)
+            logger.warning("dropping a message from %r (%s): %s; further ones like it are "
+                           "only counted", sender, reason, detail)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        """Check one received message and dispatch it (never raises)."""
+        sender = frames[0].decode("utf-8", "replace") if frames else ""
+        if len(frames) != 2:
+            self._drop("frames", sender, f"{len(frames)} frames, expected 2")
+            return
+        try:
+            msg = self.codec.decode_to_router(frames[1])
+        except Exception as exc:
+            self._drop("malformed", sender, str(exc)[:200])
+            return
+        worker_id = sender.removesuffix("/heartbeat")
+        claimed = getattr(msg, "worker_id", None)
+        if claimed is not None and claimed != worker_id:
+            self._drop("impostor", sender, f"{type(msg).__name__} claims worker {claimed!r}")
+            return
+        if not isinstance(msg, (RegisterWorker, Heartbeat)) and \
+                worker_id not in self.registry.workers:
+            self._drop("unregistered", sender, type(msg).__name__)
+            return
+        request_id = getattr(msg, "request_id", None)
+        if request_id is not None and not self._serves(worker_id, request_id):
+            self._drop("not_its_request", sender, f"{type(msg).__name__} for {request_id!r}")
+            return
+        try:
+            self._dispatch(msg, worker_id)
+        except Exception:  # a bad message must not stop the router
+            logger.exception("failed to handle %s", type(msg).__name__)
+
+    def _serves(self, worker_id: str, request_id: str) -> bool:
+        """Whether ``worker_id`` may report on ``request_id`` (unknown ids pass: the
+        handlers ignore requests that already ended)."""
+        handle = self.handles.get(request_id)
+        if handle is None:
+            return True
+        remote = handle.remote
+        return worker_id == handle.worker_id or (
+            remote is not None and worker_id == remote.prefill_worker_id)
+
+    def _dispatch(self, msg, sender: str = "") -> None:
         if isinstance(msg, StepOutputs):
             self.registry.touch(msg.worker_id)
             for delta in msg.deltas:
                 handle = self.handles.get(delta.request_id)
                 if handle is None:
                     continue  # aborted meanwhile
+                if handle.worker_id != msg.worker_id:
+                    self._drop("not_its_request", sender, f"delta for {delta.request_id!r}")
+                    continue
                 handle.deliver(delta)
                 if delta.finished:
                     self.handles.pop(delta.request_id, None)

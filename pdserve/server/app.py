@@ -117,6 +117,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if not state.router.is_healthy:
+            return JSONResponse(error_body("the router is restarting a failed loop",
+                                           "service_unavailable"), status_code=503)
         if state.router.alive_workers("decode"):
             return Response(status_code=200)
         return JSONResponse(error_body("no worker is registered and alive",

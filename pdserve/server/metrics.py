@@ -68,6 +68,17 @@ class ServerMetrics:
         self.kv_transfer_failures = Counter(
             "pdserve:kv_transfer_failures", "Failed KV transfers by reason.", lbl + ["reason"],
             registry=r)
+        self.refused_connections = Counter(
+            "pdserve:refused_connections", "Connections to the router refused: no or the "
+            "wrong cluster key (reason: unknown_key, handshake_failed).", lbl + ["reason"],
+            registry=r)
+        self.dropped_messages = Counter(
+            "pdserve:dropped_messages", "Messages the router dropped (reason: frames, "
+            "malformed, impostor, unregistered, not_its_request).", lbl + ["reason"],
+            registry=r)
+        self.router_loop_restarts = Counter(
+            "pdserve:router_loop_restarts", "Router loops restarted after a failure.",
+            lbl + ["loop"], registry=r)
         self.request_retries = Counter(
             "pdserve:request_retries", "Requests re-placed after their decode worker died.",
             lbl, registry=r)
