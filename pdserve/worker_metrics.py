@@ -28,6 +28,8 @@ class KVTransferTotals:
         num_transfers_failed: pushes that failed.
         num_refused_connections: connections to this worker's KV port refused for want of
             the cluster's key (CURVE; see :mod:`pdserve.security`).
+        num_dropped_kv_messages: KV messages dropped unread (no reservation for their
+            request, or larger than it).
     """
 
     num_bytes_sent: int = 0
@@ -35,6 +37,7 @@ class KVTransferTotals:
     num_transfers_sent: int = 0
     num_transfers_failed: int = 0
     num_refused_connections: int = 0
+    num_dropped_kv_messages: int = 0
 
 
 class WorkerCollector:
@@ -94,6 +97,9 @@ class WorkerCollector:
         yield self._counter("pdserve:refused_connections", "Connections to this worker's "
                             "KV port refused: no or the wrong cluster key.",
                             kv.num_refused_connections)
+        yield self._counter("pdserve:kv_messages_dropped", "KV messages dropped unread: no "
+                            "blocks reserved for their request, or larger than that.",
+                            kv.num_dropped_kv_messages)
         yield self._counter("pdserve:spec_decode_num_drafts", "Speculative drafts verified.",
                             load.num_spec_drafts)
         yield self._counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens verified.",

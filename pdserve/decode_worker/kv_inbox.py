@@ -40,6 +40,11 @@ class KVInbox:
         address: where to listen; None: the transport's loopback default.
         advertise_host: host written into :attr:`address` in place of the bound one (for a
             receiver bound on ``0.0.0.0``); None: the bound address as it is.
+        expects: ``expects(request_id)`` -> the number of prompt tokens whose KV this worker
+            reserved blocks for, or None when it reserved nothing for that id. A message
+            for an unreserved id, or larger than the reservation, is dropped before it is
+            decoded or stored (counted in :attr:`num_dropped`). None: accept every id.
+        cluster_keys: the deployment's keys (zmq: only the cluster's senders connect).
 
     ``ready`` yields ``(request_id, (kv, scales))`` with ``kv`` a
     ``[num_layers, 2, num_blocks, block_size, H, D]`` tensor in ``cache_dtype`` and
@@ -51,7 +56,7 @@ class KVInbox:
     def __init__(self, transport_name: str, num_layers: int, cache_dtype: torch.dtype,
                  stale_after_s: float = 30.0, address: str | None = None,
                  advertise_host: str | None = None, keep_fp8: bool = False,
-                 cluster_keys=None) -> None:
+                 cluster_keys=None, expects=None) -> None:
         self.transport = create_transport(transport_name, cluster_keys)
         self.receiver = self.transport.create_receiver(KVReceiverConfig(
             address=address, max_message_bytes=MAX_KV_MESSAGE_BYTES, num_buffers=2))
@@ -65,6 +70,9 @@ class KVInbox:
         self.ready: queue.Queue[
             tuple[str, tuple[torch.Tensor, torch.Tensor | None] | str]] = queue.Queue()
         self.num_bytes_received = 0
+        self.expects = expects
+        #: messages dropped unread: no reservation for their request, or too large for it
+        self.num_dropped = 0
         # request id -> (kv, scales or None, layers received, last touched)
         self._partial: dict[str, tuple[torch.Tensor, torch.Tensor | None, int, float]] = {}
         self._stop = threading.Event()
@@ -85,6 +93,8 @@ class KVInbox:
                 continue
             with msg:
                 rid = msg.header.request_id
+                if not self._is_reserved(msg.header):
+                    continue
                 try:
                     decoded = msg.decode()
                     self._add(rid, decoded)
@@ -96,6 +106,23 @@ class KVInbox:
                     logger.warning("bad KV message for %s: %s", rid, exc)
                     self._partial.pop(rid, None)
                     self.ready.put((rid, "format"))
+
+    def _is_reserved(self, header) -> bool:
+        """Whether ``header``'s request has blocks reserved here that its KV fits in."""
+        if self.expects is None:
+            return True
+        num_tokens = self.expects(header.request_id)
+        if num_tokens is not None and header.num_tokens <= num_tokens and \
+                header.num_blocks <= -(-num_tokens // header.block_size):
+            return True
+        self.num_dropped += 1
+        if self.num_dropped <= 10 or self.num_dropped % 1000 == 0:
+            logger.warning("dropped a KV message for %r (%d tokens): %s (%d dropped so far)",
+                           header.request_id[:64], header.num_tokens,
+                           "no blocks reserved for it" if num_tokens is None
+                           else f"larger than its {num_tokens}-token reservation",
+                           self.num_dropped)
+        return False
 
     def _add(self, rid: str, decoded) -> None:
         h = decoded.header

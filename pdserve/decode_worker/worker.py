@@ -45,6 +45,7 @@ class ParkedRequest:
     """A request waiting for its pushed KV and its first token."""
 
     reserved_s: float
+    num_prompt_tokens: int = 0
     kv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (kv, FP8 scales or None)
     first_token_id: int | None = None
     first_token_s: float | None = None  # when the prefill finished: the transfer's start
@@ -79,7 +80,7 @@ class DecodeWorker(EngineWorker):
             self.inbox = KVInbox(kv_transport, engine.arch.num_layers, engine.runner.dtype,
                                  address=kv_address, advertise_host=kv_advertise_host,
                                  keep_fp8=engine.runner.kv_scales is not None,
-                                 cluster_keys=cluster_keys)
+                                 cluster_keys=cluster_keys, expects=self._expected_kv)
         self.parked: dict[str, ParkedRequest] = {}
 
     def registration_extras(self) -> dict:
@@ -119,8 +120,17 @@ class DecodeWorker(EngineWorker):
         except ValueError as exc:
             self.send(KVReserveRefused(msg.request_id, str(exc), is_capacity=False))
             return
-        self.parked[msg.request_id] = ParkedRequest(time.monotonic())
+        self.parked[msg.request_id] = ParkedRequest(time.monotonic(),
+                                                    len(msg.prompt_token_ids))
         self.send(KVReserved(msg.request_id, num_cached))
+
+    def _expected_kv(self, request_id: str) -> int | None:
+        """The inbox thread's check: prompt tokens reserved for ``request_id`` whose KV has
+        not arrived yet, else None (a dict read; the engine thread owns ``parked``)."""
+        parked = self.parked.get(request_id)
+        if parked is None or parked.kv is not None or parked.is_failure_reported:
+            return None
+        return parked.num_prompt_tokens
 
     def _try_complete(self, rid: str) -> None:
         parked = self.parked[rid]
@@ -131,8 +141,8 @@ class DecodeWorker(EngineWorker):
             self.engine.complete_remote_prefill(rid, parked.first_token_id, *parked.kv)
         except ValueError as exc:
             logger.warning("KV for %s does not fit: %s", rid, exc)
-            self.parked[rid] = ParkedRequest(parked.reserved_s, None, parked.first_token_id,
-                                             parked.first_token_s, True)
+            self.parked[rid] = ParkedRequest(parked.reserved_s, parked.num_prompt_tokens, None,
+                                             parked.first_token_id, parked.first_token_s, True)
             self.send(KVTransferFailed(self.worker_id, rid, "format"))
 
     def poll_extra(self) -> None:
@@ -176,7 +186,8 @@ class DecodeWorker(EngineWorker):
             return KVTransferTotals()
         return KVTransferTotals(
             num_bytes_received=self.inbox.num_bytes_received,
-            num_refused_connections=getattr(self.inbox.transport, "num_refused_peers", 0))
+            num_refused_connections=getattr(self.inbox.transport, "num_refused_peers", 0),
+            num_dropped_kv_messages=self.inbox.num_dropped)
 
     def close(self) -> None:
         if self.inbox is not None:
