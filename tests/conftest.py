@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Processes the tests start as separate commands (`pdserve server`, `decode-worker`, ...)
+# need the same cluster secret (CURVE; pdserve.security); `serve` hands it to its children.
+os.environ.setdefault("PDSERVE_CLUSTER_SECRET", "pdserve-test-suite-cluster-secret")
 # Triton kernels run in its interpreter on CPU; read when the kernels are decorated (import).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

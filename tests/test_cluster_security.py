@@ -11,6 +11,9 @@ KV port and /metrics on fixed loopback ports, both reading the secret from a fil
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -231,3 +234,17 @@ def test_kv_port_drops_hostile_and_unreserved_pushes(cluster):
         transport.close()
     assert complete(cluster) == cluster.reference
     assert count(worker_metrics(cluster), "pdserve:kv_cache_usage_perc") == 0
+
+
+def test_a_worker_without_any_secret_stops_with_a_message_not_a_traceback():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_CLUSTER_SECRET")}
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "decode-worker", "--router",
+                          "tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 2
+    assert "--cluster-secret-file" in out.stderr and "--insecure-no-auth" in out.stderr
+    assert "Traceback" not in out.stderr
+    short = subprocess.run([sys.executable, "-m", "pdserve.cli", "server", "--router-address",
+                            "tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=120,
+                           env={**env, "PDSERVE_CLUSTER_SECRET": "short"})
+    assert short.returncode == 2 and "at least 16 bytes" in short.stderr
