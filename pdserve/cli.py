@@ -237,6 +237,11 @@ def _add_auth_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
                         "server and every worker (else $PDSERVE_CLUSTER_SECRET_FILE or "
                         "$PDSERVE_CLUSTER_SECRET)" + ("; default for serve: a random one "
                                                       "made at start" if serve else ""))
+    p.add_argument("--shutdown-grace-period", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, finish in-flight requests for up to this long (new "
+                        "ones get 503 with Retry-After) before stopping; a second signal "
+                        "stops at once (default: 30, the Kubernetes manifests' "
+                        "terminationGracePeriodSeconds)")
     g.add_argument("--insecure-no-auth", action="store_true",
                    help="run the router/worker sockets without authentication or "
                         "encryption (anyone who can reach them can join the cluster)")

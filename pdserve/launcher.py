@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pdserve.cpu_affinity import (
@@ -167,15 +168,52 @@ def build_server_state(args: argparse.Namespace, router_address: str, cluster_ke
     )
 
 
+def draining_server(config, state, grace_s: float):
+    """A uvicorn server whose first SIGTERM/SIGINT drains instead of stopping.
+
+    The first signal sets ``state.draining`` (new requests get 503 with ``Retry-After``,
+    ``/health`` turns 503), waits until the router has no request in flight or
+    ``grace_s`` has passed, then lets uvicorn shut down (open responses get
+    ``timeout_graceful_shutdown`` more to flush). A second signal stops at once.
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if state.draining or grace_s <= 0:
+                super().handle_exit(sig, frame)
+                return
+            state.draining = True
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+        async def _drain(self) -> None:
+            n = state.router.num_inflight
+            print(f"pdserve: draining: {n} requests in flight, up to {grace_s:.0f} s",
+                  file=sys.stderr, flush=True)
+            deadline = time.monotonic() + grace_s
+            while state.router.num_inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if state.router.num_inflight:
+                print(f"pdserve: grace period over with {state.router.num_inflight} "
+                      "requests in flight; stopping", file=sys.stderr, flush=True)
+            self.should_exit = True
+
+        async def serve(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+    return DrainingServer(config)
+
+
 async def _serve_http(state, host: str, port: int, workers: list[subprocess.Popen],
-                      wait_for_worker: bool) -> int:
+                      wait_for_worker: bool, grace_s: float = 30.0) -> int:
     import uvicorn
 
     from pdserve.server.app import build_app
 
     app = build_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = draining_server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                            timeout_graceful_shutdown=5), state, grace_s)
     task = asyncio.create_task(server.serve())
     if wait_for_worker:
         deadline = asyncio.get_running_loop().time() + WORKER_READY_TIMEOUT_S
@@ -248,7 +286,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
                              f"prefill-{os.getpid()}-{i}", keys)
                 for i, plan in enumerate(prefill_plans)]
     try:
-        return asyncio.run(_serve_http(state, args.host, args.port, workers, True))
+        return asyncio.run(_serve_http(state, args.host, args.port, workers, True,
+                                       args.shutdown_grace_period))
     finally:
         stop_processes(workers)
 
@@ -260,7 +299,8 @@ def run_server(args: argparse.Namespace) -> int:
     keys = cluster_keys_from_args(args)
     state = build_server_state(args, args.router_address or "tcp://0.0.0.0:5557", keys)
     print(f"pdserve: router listening at {state.router.address}", flush=True)
-    return asyncio.run(_serve_http(state, args.host, args.port, [], False))
+    return asyncio.run(_serve_http(state, args.host, args.port, [], False,
+                                   args.shutdown_grace_period))
 
 
 def _run_worker(args: argparse.Namespace, make_worker) -> int:
@@ -286,6 +326,7 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     name = args.served_model_name or served_model_name(args.model, engine.model_path)
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     worker = make_worker(engine, worker_id, name, keys)
+    worker.drain_s = args.shutdown_grace_period
     metrics_server = None
     if args.metrics_port:
         try:

@@ -55,6 +55,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    #: the worker got SIGTERM: it finishes what it runs and takes nothing new
+    draining: bool = False
 
 
 class GenerateRequest(msgspec.Struct, tag="generate"):

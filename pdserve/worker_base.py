@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 REGISTER_RETRY_S = 1.0
 #: Longest idle wait on the sockets, so periodic checks (deadlines) still run.
 IDLE_POLL_S = 0.05
+#: Default seconds a worker told to stop (SIGTERM) keeps serving its running requests.
+DEFAULT_DRAIN_S = 30.0
 
 
 class EngineWorker:
@@ -70,6 +72,9 @@ class EngineWorker:
         self.send_lock = threading.Lock()
         self.is_registered = False
         self.should_stop = False
+        #: set by the first SIGTERM/SIGINT: finish running requests, take nothing new
+        self.draining = False
+        self.drain_s = DEFAULT_DRAIN_S
         self.num_requests_served = 0
 
     # -- overridable -----------------------------------------------------------------------
@@ -122,6 +127,7 @@ class EngineWorker:
             num_spec_drafts=spec.num_drafts, num_spec_draft_tokens=spec.num_draft_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             num_spec_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+            draining=self.draining,
         )
 
     def _heartbeat_loop(self) -> None:
@@ -175,9 +181,23 @@ class EngineWorker:
         self.after_step(deltas)
 
     def run(self) -> None:
-        """Serve until SIGTERM/SIGINT or a :class:`ShutdownWorker` message."""
+        """Serve until SIGTERM/SIGINT or a :class:`ShutdownWorker` message.
+
+        The first signal starts a drain: the worker tells the router (its heartbeats say
+        ``draining``, so nothing new is routed to it), finishes its running requests for up
+        to :attr:`drain_s` seconds, then stops; a second signal stops it at once.
+        """
+        drain_until = [0.0]
+
         def _stop(signum, frame):  # noqa: ARG001
-            self.should_stop = True
+            if self.draining or not self.is_registered:
+                self.should_stop = True
+                return
+            self.draining = True
+            drain_until[0] = time.monotonic() + self.drain_s
+            logger.info("%s worker %s draining: finishing %d running requests (up to "
+                        "%.0f s)", self.role, self.worker_id,
+                        len(self.engine.requests), self.drain_s)
 
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
@@ -186,7 +206,11 @@ class EngineWorker:
         heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeats.start()
         last_register = 0.0
+        announced = False
         while not self.should_stop:
+            if self.draining and not announced:  # the router routes nothing new here
+                self.send(self.load())
+                announced = True
             now = time.monotonic()
             if not self.is_registered and now - last_register >= REGISTER_RETRY_S:
                 self._register()
@@ -198,6 +222,14 @@ class EngineWorker:
             self.poll_extra()
             if self.engine.has_unfinished_requests:
                 self._step()
+            if self.draining:
+                if not self.has_work():
+                    break
+                if time.monotonic() > drain_until[0]:
+                    logger.warning("%s worker %s: drain period over with %d requests still "
+                                   "running; stopping", self.role, self.worker_id,
+                                   len(self.engine.requests))
+                    break
         logger.info("%s worker %s stopping", self.role, self.worker_id)
         self.close()
         heartbeats.join(timeout=2 * self.heartbeat_interval_s)

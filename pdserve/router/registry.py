@@ -29,6 +29,11 @@ class WorkerInfo:
         return self.info.worker_id
 
     @property
+    def is_draining(self) -> bool:
+        """The worker said it is shutting down: route nothing new to it."""
+        return self.load is not None and self.load.draining
+
+    @property
     def load_score(self) -> int:
         """Requests it holds: reported running + waiting, or the router's count if higher."""
         reported = 0 if self.load is None else self.load.num_running + self.load.num_waiting
@@ -78,6 +83,10 @@ class WorkerRegistry:
         return [w for w in self.workers.values()
                 if self.is_alive(w, now) and (role is None or w.info.role == role)]
 
+    def accepting(self, role: str | None = None) -> list[WorkerInfo]:
+        """Alive workers that take new requests (not draining)."""
+        return [w for w in self.alive(role) if not w.is_draining]
+
     def remove_dead(self) -> list[WorkerInfo]:
         """Drop and return the workers that missed too many heartbeats."""
         now = time.monotonic()
@@ -87,6 +96,6 @@ class WorkerRegistry:
         return dead
 
     def least_loaded(self, role: str) -> WorkerInfo | None:
-        """The alive worker of ``role`` holding the fewest requests (None if none)."""
-        candidates = self.alive(role)
+        """The accepting worker of ``role`` holding the fewest requests (None if none)."""
+        candidates = self.accepting(role)
         return min(candidates, key=lambda w: w.load_score) if candidates else None

@@ -332,7 +332,7 @@ class Router:
         """The least-loaded decode worker, ties going to the longest cached prefix, and the
         prompt tokens it is believed to hold."""
         best, best_key = None, None
-        for worker in self.registry.alive("decode"):
+        for worker in self.registry.accepting("decode"):
             cached = self._prefix_index(worker).num_cached_tokens(prompt_token_ids)
             key = (worker.load_score, -cached)
             if best_key is None or key < best_key:

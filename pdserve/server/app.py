@@ -49,6 +49,10 @@ async def _unless_disconnected(request: Request, handler: Awaitable[Response]) -
     return work.result()
 
 
+#: ``Retry-After`` (seconds) on the 503 a draining server answers new requests with.
+DRAIN_RETRY_AFTER_S = 1
+
+
 def build_app(state: ServerState) -> FastAPI:
     """Create the app; the router starts and stops with it."""
 
@@ -80,6 +84,16 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("unhandled error")
         return JSONResponse(error_body("internal server error", "internal_server_error"),
                             status_code=500)
+
+    @app.middleware("http")
+    async def _drain(request: Request, call_next):
+        # registered before _auth, so it runs after it: a draining server still says 401
+        if state.draining and request.method == "POST":
+            response = APIError(503, "the server is shutting down; retry on another "
+                                     "replica", code="service_unavailable").response()
+            response.headers["Retry-After"] = str(DRAIN_RETRY_AFTER_S)
+            return response
+        return await call_next(request)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -117,6 +131,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.draining:
+            return JSONResponse(error_body("draining: finishing in-flight requests before "
+                                           "shutting down", "service_unavailable"),
+                                status_code=503)
         if not state.router.is_healthy:
             return JSONResponse(error_body("the router is restarting a failed loop",
                                            "service_unavailable"), status_code=503)

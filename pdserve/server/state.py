@@ -23,6 +23,8 @@ class ServerState:
         api_key: bearer token required on /v1 routes, or None.
         max_n: most choices per request.
         tool_parser: name of the tool-call parser (``pdserve.server.tools.parsers``).
+        draining: set on SIGTERM: new requests get 503 with ``Retry-After``, in-flight ones
+            finish (see :func:`pdserve.launcher.DrainingServer`).
     """
 
     router: Router
@@ -33,6 +35,7 @@ class ServerState:
     api_key: str | None = None
     max_n: int = 16
     tool_parser: str = "hermes"
+    draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     system_fingerprint: str = "pdserve-0.1.0"
 

