@@ -343,8 +343,9 @@ CHAT_CONVERSIONS = [
 
 COMPLETION_CONVERSIONS = [
     ("default_max_tokens_is_16", completion_body(), 100, SamplingParams(max_tokens=16)),
-    ("null_max_tokens_takes_the_room", completion_body(max_tokens=None), 100,
-     SamplingParams(max_tokens=100)),
+    # null means the default, as everywhere (README): 16 on completions
+    ("null_max_tokens_is_the_default_16", completion_body(max_tokens=None), 100,
+     SamplingParams(max_tokens=16)),
     ("logprobs_int_is_k", completion_body(logprobs=2), 100,
      SamplingParams(max_tokens=16, logprobs=2)),
     ("logprobs_0_is_sampled_token_only", completion_body(logprobs=0), 100,

@@ -131,6 +131,12 @@ def test_enforced_format_rejects_a_violation(compiler, tokenizer, fmt):
     ({"type": "string", "format": "regex"}, "format:regex", "#"),
     ({"type": "integer", "nullable": True}, "nullable", "#"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "#"),
+    # enforced keywords in forms xgrammar would drop with a warning
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf", "#"),
+    ({"type": "integer", "multipleOf": 1.5}, "multipleOf", "#"),
+    ({"$ref": "https://example.com/s.json"}, "$ref", "#"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]},
+     "required", "#"),
 ])
 def test_unsupported_keyword_is_refused_by_name_and_place(schema, keyword, path):
     with pytest.raises(UnsupportedSchemaError) as info:

@@ -6,6 +6,7 @@ OpenAI error bodies while the worker serves on and frees every KV block."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Annotated
@@ -205,7 +206,25 @@ BAD_REQUESTS = [
       "tool_choice": "required"}, "tools", "not"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "strin"}}}}}],
-      "tool_choice": "required"}, "tools", "invalid JSON schema"),
+      "tool_choice": "required"}, "tools.0.function.parameters", "not a valid JSON schema"),
+    # checked whatever tool_choice is, as OpenAI does
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "foo"}}}], "tool_choice": "auto"},
+     "tools.0.function.parameters", "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "tools.0.function.parameters", "type 'object'"),
+    ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", "Input"),
+    # forms of enforced keywords the grammar engine would drop
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "number", "multipleOf": 0.5}}}},
+     "response_format", "multipleOf"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "https://example.com/s.json"}}}},
+     "response_format", "$ref"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                "required": ["b"]}}}},
+     "response_format", "required"),
     ({"max_tokens": "5"}, "max_tokens", "integer"),
     ({"n": "3"}, "n", "integer"),
 ]
@@ -219,6 +238,42 @@ def test_bad_request_is_a_400_naming_the_parameter(server, fields, param, words)
     error = resp.json()["error"]
     assert error["param"] == param and words in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_schema_too_slow_to_compile_is_refused_while_the_server_answers_others(server):
+    """Compiling ``(a|b){1,4000}`` takes seconds: the check runs off the event loop, gives
+    up after its time limit with a 400, and /health answers meanwhile."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 5, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "pattern": "^(a|b){1,4000}$"}}}}
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(httpx.post, f"{server.base_url}/chat/completions", json=body,
+                           timeout=120)
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert httpx.get(f"{server.base}/health", timeout=30).status_code == 200
+        assert time.monotonic() - start < 1.0
+        resp = slow.result()
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "response_format" and "does not compile within" in \
+        error["message"]
+
+
+def test_streamed_completion_logprobs_offsets_count_from_the_start_of_the_text(client):
+    kw = dict(model=MODEL, prompt="Hi there", max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    offsets = []
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs:
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert offsets == whole.text_offset and offsets[-1] > 0
+
+
+def test_completion_max_tokens_null_is_the_default_sixteen(client):
+    out = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0,
+                                    max_tokens=None, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16
 
 
 def test_completion_refuses_best_of_zero_and_serves_on(server, client):

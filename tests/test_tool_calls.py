@@ -22,7 +22,7 @@ from pdserve.server.protocol import (
     validation_error_to_body,
 )
 from pdserve.server.tools.grammar import tool_call_constraint
-from pdserve.server.tools.parsers import HermesToolParser, get_tool_parser
+from pdserve.server.tools.parsers import TOOL_CALL_END, HermesToolParser, get_tool_parser
 from pdserve.server.tools.prompt import render_messages, template_renders_tools
 
 WEATHER = {"type": "function", "function": {
@@ -141,11 +141,50 @@ def test_text_without_a_call_stays_text():
         "Paris is sunny today.", [], 0)
 
 
-def test_malformed_call_stays_text_and_is_counted():
+def test_malformed_call_keeps_its_arguments_as_written_and_is_counted():
+    """A call whose name was complete stays a call (its arguments as the model wrote them,
+    as streaming already sent them); a closed block that is no call stays text."""
     text = 'x <tool_call>{"name": "f", "arguments": {oops}}</tool_call>'
     result = HermesToolParser().parse(text)
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("f", "{oops}")]
+    assert (result.content, result.num_failed) == ("x", 1)
+    text = 'x <tool_call>not a call</tool_call> y'
+    result = HermesToolParser().parse(text)
     assert (result.tool_calls, result.num_failed) == ([], 1)
-    assert "oops" in result.content
+    assert result.content == text
+
+
+def reassemble(text: str, chunk: int) -> tuple[str, list[tuple[str, str]]]:
+    """Content and (name, arguments) of the calls, as a client rebuilds them from deltas."""
+    stream = HermesToolParser().stream()
+    deltas = [stream.feed(text[i:i + chunk]) for i in range(0, len(text), chunk)]
+    deltas.append(stream.finish())
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        indexes = [p.index for p in d.tool_calls]
+        assert len(indexes) == len(set(indexes)), "one entry per call in a delta"
+        for piece in d.tool_calls:
+            call = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
+            assert call["id"] is None or piece.id is None  # id and name sent once, first
+            call["id"] = call["id"] or piece.id
+            call["name"] = call["name"] or piece.name
+            call["arguments"] += piece.arguments
+    content = "".join(d.content for d in deltas)
+    return content, [(c["name"], c["arguments"]) for c in calls.values()]
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_output_cut_anywhere_streams_exactly_what_the_whole_text_parses_to(chunk):
+    """max_tokens can cut the output at any character: for every prefix of a two-call
+    output, the streamed deltas add up to the non-streamed content and calls (no invented
+    end tag, a cut call keeps the arguments it got)."""
+    for cut in range(len(CANNED) + 1):
+        text = CANNED[:cut]
+        whole = HermesToolParser().parse(text)
+        content, calls = reassemble(text, chunk)
+        assert content == (whole.content or ""), (cut, text)
+        assert calls == [(c.name, c.arguments) for c in whole.tool_calls], (cut, text)
+        assert TOOL_CALL_END not in content or TOOL_CALL_END in text
 
 
 def test_arguments_before_name_and_a_missing_end_tag_still_parse():

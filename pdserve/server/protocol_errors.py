@@ -33,11 +33,23 @@ def error_body(
     return ErrorResponse(error=info).model_dump()
 
 
+#: Union members pydantic names in an error's location, which are no request field.
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
+
+
+def _is_union_member(part: int | str) -> bool:
+    """``literal['none','auto']``, ``list[str]``, ``function-after[...]``, ``NamedToolChoice``:
+    the union branch pydantic tried, not a field (fields are snake_case, indices ints)."""
+    if isinstance(part, int):
+        return False
+    return (part in _TYPE_NAMES or any(c in part for c in "[('") or part[:1].isupper())
+
+
 def _loc_to_param(loc: tuple[int | str, ...]) -> str | None:
     # FastAPI's RequestValidationError prefixes body errors with "body".
     if loc and loc[0] == "body":
         loc = loc[1:]
-    return ".".join(str(part) for part in loc) or None
+    return ".".join(str(part) for part in loc if not _is_union_member(part)) or None
 
 
 def _message(error: dict[str, Any]) -> str:

@@ -482,6 +482,12 @@ class CompletionRequest(_SamplingRequest):
         return value
 
     @property
+    def max_tokens_requested(self) -> int | None:
+        """``max_tokens``; ``null`` means OpenAI's default for completions (16), as an
+        omitted field does."""
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    @property
     def num_top_logprobs(self) -> int | None:
         return self.logprobs
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator,
+                      model_validator)
 
 from pdserve.engine.structured_output import StructuredOutputKind, StructuredOutputParams
 
@@ -106,6 +107,25 @@ class FunctionDefinition(_Strict):
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Whatever ``tool_choice`` is, ``parameters`` must be a valid JSON Schema for an
+        object (arguments are a JSON object), as OpenAI checks."""
+        if value is None:
+            return value
+        import jsonschema  # deferred: only requests with tools need it
+
+        try:
+            jsonschema.Draft202012Validator.check_schema(value)
+        except jsonschema.SchemaError as exc:
+            where = "/".join(str(p) for p in exc.path)
+            raise ValueError(f"not a valid JSON schema at #/{where}: {exc.message}") from None
+        if value.get("type", "object") != "object":
+            raise ValueError(f"the arguments' schema must have type 'object', got "
+                             f"{value.get('type')!r}")
+        return value
 
     @property
     def parameters_schema(self) -> dict[str, Any]:

@@ -99,7 +99,6 @@ def _tool_params(state: ServerState, req: ChatCompletionRequest, params: Samplin
     except ValueError as exc:
         raise APIError(400, str(exc), "tools") from None
     if constraint is not None:
-        check_structured_output(constraint, "tools")
         params = dataclasses.replace(params, structured_output=constraint)
     state.metrics.observe_tool_request(req.tool_choice_name)
     return params, get_tool_parser(state.tool_parser)
@@ -126,7 +125,12 @@ async def create_chat_completion(state: ServerState, raw: bytes):
     check_model(state, req.model)
     prompt_ids = chat_prompt_ids(state, req)
     params = to_params(state, req, len(prompt_ids), "messages")
+    from_response_format = params.structured_output
     params, parser = _tool_params(state, req, params)
+    await check_structured_output(
+        params.structured_output,
+        req.structured_output_param if params.structured_output is from_response_format
+        else "tools")
     if params.structured_output is not None:
         state.metrics.observe_structured_output(params.structured_output.kind.value)
     request_id, gen = start_generation(state, "chatcmpl", prompt_ids, params, req.stop_list)

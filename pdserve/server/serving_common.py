@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -73,8 +75,6 @@ def to_params(state: ServerState, req, num_prompt_tokens: int, prompt_param: str
         constraint = req.structured_output()
     except ValueError as exc:
         raise APIError(400, str(exc), req.structured_output_param) from None
-    if constraint is not None:
-        check_structured_output(constraint, req.structured_output_param)
     try:
         params = req.to_sampling_params(default_max_tokens=state.max_model_len - num_prompt_tokens)
     except ValueError as exc:
@@ -88,11 +88,30 @@ def to_params(state: ServerState, req, num_prompt_tokens: int, prompt_param: str
     return params
 
 
-def check_structured_output(constraint: StructuredOutputParams, param: str) -> None:
-    """Raises APIError 400 naming ``param`` when ``constraint`` would not compile, or uses a
-    JSON schema keyword that would not be enforced (the message names the keyword)."""
+#: Seconds a constraint may take to compile on the API server before it is refused. Typical
+#: schemas compile in milliseconds; a pattern such as ``(a|b){1,8000}`` takes tens of seconds.
+GRAMMAR_CHECK_TIMEOUT_S = 2.0
+#: Threads that compile constraints for checking (xgrammar releases the GIL while it
+#: compiles, so the event loop runs on meanwhile).
+_grammar_checks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
+
+
+async def check_structured_output(constraint: StructuredOutputParams | None,
+                                  param: str) -> None:
+    """Raises APIError 400 naming ``param`` when ``constraint`` would not compile, uses a
+    JSON schema keyword that would not be enforced (the message names the keyword), or
+    takes longer than :data:`GRAMMAR_CHECK_TIMEOUT_S` to compile. The compile runs off the
+    event loop, so other requests and ``/health`` are served meanwhile."""
+    if constraint is None:
+        return
+    future = asyncio.get_running_loop().run_in_executor(
+        _grammar_checks, validate_structured_output, constraint)
     try:
-        validate_structured_output(constraint)
+        await asyncio.wait_for(asyncio.shield(future), GRAMMAR_CHECK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(400, f"the {constraint.kind.value} constraint does not compile within "
+                            f"{GRAMMAR_CHECK_TIMEOUT_S:g} s; simplify it (for example "
+                            "smaller repetition bounds in patterns)", param) from None
     except ValueError as exc:
         raise APIError(400, str(exc), param) from None
 

@@ -21,6 +21,7 @@ from pdserve.server.protocol import (
 )
 from pdserve.server.serving_common import (
     check_model,
+    check_structured_output,
     parse_request,
     sse,
     start_generation,
@@ -126,6 +127,8 @@ async def create_completion(state: ServerState, raw: bytes):
     prompts = prompt_id_lists(state, req)
     params_list = [to_params(state, req, len(p), "prompt") for p in prompts]
     n = params_list[0].n
+    await check_structured_output(params_list[0].structured_output,
+                                  req.structured_output_param)
     if params_list[0].structured_output is not None:
         for _ in prompts:
             state.metrics.observe_structured_output(params_list[0].structured_output.kind.value)
@@ -166,6 +169,8 @@ async def create_completion(state: ServerState, raw: bytes):
 
         async def chunks() -> AsyncIterator[str]:
             echo_pending = set(range(num_choices)) if req.echo else set()
+            # text_offset counts from the start of each choice's whole text
+            offsets = [len(echoed[i // n]) for i in range(num_choices)]
             async for ev in _merged(gens, n):
                 if ev.index in echo_pending:  # the prompt (and its logprobs) come first
                     echo_pending.discard(ev.index)
@@ -177,12 +182,17 @@ async def create_completion(state: ServerState, raw: bytes):
                         system_fingerprint=state.system_fingerprint).model_dump_json()
                 if not ev.text and ev.finish_reason is None and not want_logprobs:
                     continue
+                lp = None
+                if want_logprobs:
+                    lp = completion_logprobs(state.tokenizer, ev.logprobs,
+                                             offset=offsets[ev.index])
+                    if lp is not None:
+                        offsets[ev.index] += sum(len(t) for t in lp.tokens)
                 yield CompletionStreamResponse(
                     id=request_id, created=created, model=state.model_name,
                     choices=[CompletionResponseStreamChoice(
                         index=ev.index, text=ev.text, finish_reason=ev.finish_reason,
-                        logprobs=completion_logprobs(state.tokenizer, ev.logprobs)
-                        if want_logprobs else None)],
+                        logprobs=lp)],
                     system_fingerprint=state.system_fingerprint).model_dump_json()
             if include_usage:
                 yield CompletionStreamResponse(

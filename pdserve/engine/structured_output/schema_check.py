@@ -104,6 +104,7 @@ def _check(node: Any, path: str) -> Any:
             continue
         if keyword not in ENFORCED_KEYWORDS:
             raise UnsupportedSchemaError(keyword, path)
+        _check_value(keyword, value, node, path)
         if keyword == "format" and value not in ENFORCED_FORMATS:
             raise UnsupportedSchemaError(
                 f"format:{value}", path,
@@ -121,6 +122,27 @@ def _check(node: Any, path: str) -> Any:
         # (extra properties off where properties are listed) would allow only {}
         out["additionalProperties"] = True
     return out
+
+
+def _check_value(keyword: str, value: Any, node: dict, path: str) -> None:
+    """Refuses enforced keywords in the forms the compiler would still ignore (probed on
+    xgrammar 0.2.9: it warns and drops them)."""
+    if keyword == "multipleOf" and not (
+            node.get("type") == "integer" and float(value).is_integer()):
+        raise UnsupportedSchemaError(
+            keyword, path, "multipleOf is enforced only on type integer with an integer "
+            "value")
+    if keyword == "$ref" and not str(value).startswith("#"):
+        raise UnsupportedSchemaError(
+            keyword, path, f"only references inside the schema (#/...) are supported, "
+            f"got {value!r}")
+    if keyword == "required":
+        listed = node.get("properties", {})
+        missing = [name for name in value if name not in listed]
+        if missing:
+            raise UnsupportedSchemaError(
+                keyword, path, f"it names {missing}, which are not in properties: only "
+                "listed properties can be required")
 
 
 def _unwrap_all_of(node: dict, path: str) -> dict:

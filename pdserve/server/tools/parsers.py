@@ -12,6 +12,13 @@ Hermes format (NousResearch Hermes 2 Pro; Qwen2.5 and SmolLM-family templates us
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
+
+A block that does not parse as JSON (the output was cut by ``max_tokens``, or the model
+wrote invalid JSON) is still a call once its head ``{"name": "...", "arguments":`` is
+complete: its arguments are the text as far as it got, as OpenAI returns a call cut by
+``length``; it counts as a parse failure. A cut block whose head never completed is
+dropped; a closed block that is not a call stays text. Streamed and non-streamed outputs
+follow the same rules.
 """
 
 from __future__ import annotations
@@ -96,6 +103,17 @@ class ToolCallParser(Protocol):
         """A fresh streaming parser for one choice."""
 
 
+def _raw_arguments(body: str, head_end: int, closed: bool) -> str:
+    """The arguments text of a block that did not parse: from the end of its head to where
+    the output was cut, or (a closed block) up to its outer closing brace."""
+    if not closed:
+        return body[head_end:]
+    raw = body[head_end:].rstrip()
+    if raw.endswith("}"):
+        raw = raw[:-1].rstrip()
+    return raw
+
+
 def _split_call(body: str) -> tuple[str, str] | None:
     """(name, arguments text) of one call body, or None if it is not a valid call.
 
@@ -139,14 +157,24 @@ class HermesToolParser:
                 break
             end = text.find(TOOL_CALL_END, start)
             body_end = len(text) if end < 0 else end
-            parsed = _split_call(text[start + len(TOOL_CALL_START):body_end])
+            body = text[start + len(TOOL_CALL_START):body_end]
+            parsed = _split_call(body)
             block_end = len(text) if end < 0 else end + len(TOOL_CALL_END)
-            if parsed is None:
+            head = _CALL_HEAD.match(body) if parsed is None else None
+            if parsed is not None:
+                content_parts.append(text[pos:start].rstrip())
+                calls.append(ParsedToolCall(*parsed))
+            elif head is not None:  # a call that did not parse: arguments as they got
+                num_failed += 1
+                content_parts.append(text[pos:start].rstrip())
+                calls.append(ParsedToolCall(json.loads(f'"{head.group(1)}"'),
+                                            _raw_arguments(body, head.end(), end >= 0)))
+            elif end < 0:  # cut before its name was complete: dropped
+                num_failed += 1
+                content_parts.append(text[pos:start].rstrip())
+            else:  # a closed block that is not a call: text
                 num_failed += 1
                 content_parts.append(text[pos:block_end])
-            else:
-                content_parts.append(text[pos:start])
-                calls.append(ParsedToolCall(*parsed))
             pos = block_end
             if end < 0:
                 break
@@ -196,7 +224,7 @@ class HermesToolStream:
         while self._step(out, final=True):
             pass
         if self._in_call:  # output ended inside a call (no end tag)
-            self._close_call(out, self._buffer)
+            self._close_call(out, self._buffer, closed=False)
         elif self._buffer:
             out.content += self._buffer.rstrip()
         self._buffer = ""
@@ -214,7 +242,9 @@ class HermesToolStream:
                     keep = _held_back(self._buffer, TOOL_CALL_START)
                     before = self._buffer[:len(self._buffer) - keep]
                     keep += len(before) - len(before.rstrip())
-                out.content += self._buffer[:len(self._buffer) - keep]
+                    out.content += self._buffer[:len(self._buffer) - keep]
+                else:  # the end of the output: trailing whitespace is not content
+                    out.content += self._buffer.rstrip()
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return False
             out.content += self._buffer[:start].rstrip()
@@ -223,35 +253,55 @@ class HermesToolStream:
             return True
         end = self._buffer.find(TOOL_CALL_END)
         if end >= 0:
-            self._close_call(out, self._buffer[:end])
+            self._close_call(out, self._buffer[:end], closed=True)
             self._buffer = self._buffer[end + len(TOOL_CALL_END):]
             return True
         if self._args_start is None:
             head = _CALL_HEAD.match(self._buffer)
             if head is None or head.end() == len(self._buffer):  # its \s* may grow yet
                 return False
-            self._call_index += 1
-            self._args_start = head.end()
-            out.tool_calls.append(ToolCallDelta(self._call_index, "", new_call_id(),
-                                                json.loads(f'"{head.group(1)}"')))
+            self._start_call(out, head)
         # arguments so far, minus a tail that may be the call's closing brace and end tag
         args = self._buffer[self._args_start:]
         last_brace = args.rfind("}")
         safe = len(args) if last_brace < 0 else last_brace
         safe = len(args[:safe].rstrip()) if last_brace >= 0 else safe
         if safe > self._num_args_sent:
-            out.tool_calls.append(ToolCallDelta(self._call_index,
-                                                args[self._num_args_sent:safe]))
+            self._emit(out, args[self._num_args_sent:safe])
             self._num_args_sent = safe
         return False
 
-    def _close_call(self, out: StreamDelta, body: str) -> None:
+    def _start_call(self, out: StreamDelta, head: re.Match) -> None:
+        self._call_index += 1
+        self._args_start = head.end()
+        out.tool_calls.append(ToolCallDelta(self._call_index, "", new_call_id(),
+                                            json.loads(f'"{head.group(1)}"')))
+
+    def _emit(self, out: StreamDelta, arguments: str) -> None:
+        """Arguments of the current call; merged into this delta's entry for the call."""
+        last = out.tool_calls[-1] if out.tool_calls else None
+        if last is not None and last.index == self._call_index:
+            last.arguments += arguments
+        else:
+            out.tool_calls.append(ToolCallDelta(self._call_index, arguments))
+
+    def _close_call(self, out: StreamDelta, body: str, closed: bool) -> None:
         parsed = _split_call(body)
         self._in_call = False
         if parsed is None:
             self._num_failed += 1
-            if self._args_start is None:  # nothing of it was sent as a call: it is text
-                out.content += TOOL_CALL_START + body + TOOL_CALL_END
+            if self._args_start is None:
+                head = _CALL_HEAD.match(body)
+                if head is not None:  # its head completed at the very end
+                    self._start_call(out, head)
+                elif closed:  # nothing of it was sent as a call: it is text
+                    out.content += TOOL_CALL_START + body + TOOL_CALL_END
+                    return
+                else:  # cut before its name was complete: dropped
+                    return
+            raw = _raw_arguments(body, self._args_start, closed)
+            if len(raw) > self._num_args_sent:
+                self._emit(out, raw[self._num_args_sent:])
             return
         name, arguments = parsed
         if self._args_start is None:  # head never matched: send the call whole
@@ -261,8 +311,7 @@ class HermesToolStream:
             return
         if arguments.startswith(self._buffer[self._args_start:][:self._num_args_sent]) \
                 and len(arguments) > self._num_args_sent:
-            out.tool_calls.append(ToolCallDelta(self._call_index,
-                                                arguments[self._num_args_sent:]))
+            self._emit(out, arguments[self._num_args_sent:])
 
 
 #: Tool-call parsers by name.
