@@ -248,3 +248,58 @@ def test_a_worker_without_any_secret_stops_with_a_message_not_a_traceback():
                             "tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=120,
                            env={**env, "PDSERVE_CLUSTER_SECRET": "short"})
     assert short.returncode == 2 and "at least 16 bytes" in short.stderr
+
+
+SENDER = r"""
+import sys, torch
+from pdserve.kvtransfer.transport import create_transport
+from pdserve.kvtransfer.wire import encode_kv, sign_header
+from pdserve.security import ClusterKeys
+address, secret = sys.argv[1], sys.argv[2].encode()
+keys, other = ClusterKeys(secret), ClusterKeys(b"some-other-cluster-secret")
+transport = create_transport(sys.argv[3])
+sender = transport.create_sender(address, timeout_s=30)
+torch.manual_seed(0)
+def push(rid, sign):
+    enc = encode_kv(rid, torch.randn(2, 2, 1, 16, 3, 64), layer_start=0, num_tokens=16,
+                    use_fp8=True)
+    sender.send(sign(enc.header), enc.buffers, timeout_s=30)
+push("r1", lambda h: h)                                     # no token
+push("r1", lambda h: sign_header(h, other, address))        # another cluster's token
+push("r1", lambda h: sign_header(h, keys, "tcp://10.0.0.9:1"))  # for another worker
+push("r2", lambda h: sign_header(h, keys, address))        # right token, nothing reserved
+push("r1", lambda h: sign_header(h, keys, address))        # the real one
+sender.close()
+transport.close()
+"""
+
+
+@pytest.mark.parametrize("transport", ["zmq", "ucx"])
+def test_kv_pushes_without_the_cluster_token_are_dropped_before_any_block(transport):
+    """On UCX (no transport-level authentication) and zmq alike, the decode side stores
+    only the push whose header carries the cluster's HMAC for this receiver and whose
+    request it reserved: unsigned, foreign-signed, misaddressed and unreserved pushes are
+    dropped unread."""
+    from pdserve.decode_worker.kv_inbox import KVInbox
+    from pdserve.kvtransfer.ucx_transport import ucx_unavailable_reason
+
+    if transport == "ucx" and ucx_unavailable_reason() is not None:
+        pytest.skip(ucx_unavailable_reason())
+    keys = ClusterKeys(SECRET)
+    # zmq: the sender holds the cluster keys (CURVE), so its pushes reach the inbox
+    inbox = KVInbox(transport, 2, torch.float32, cluster_keys=keys,
+                    expects=lambda rid: 16 if rid == "r1" else None)
+    env = dict(os.environ, PDSERVE_CLUSTER_SECRET=SECRET.decode())
+    script = SENDER.replace('transport = create_transport(sys.argv[3])',
+                            'transport = create_transport(sys.argv[3], keys)')
+    try:
+        out = subprocess.run([sys.executable, "-c", script, inbox.address, SECRET.decode(),
+                              transport], capture_output=True, text=True, timeout=120,
+                             env=env)
+        assert out.returncode == 0, out.stderr
+        rid, (kv, scales) = inbox.ready.get(timeout=30)
+        assert rid == "r1" and kv.shape == (2, 2, 1, 16, 3, 64)
+        wait_for(lambda: inbox.num_dropped == 4, 10, "four pushes dropped")
+        assert inbox.ready.empty()
+    finally:
+        inbox.close()

@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError, KVTransferTimeout
 from pdserve.kvtransfer.addressing import replace_tcp_host
+from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError, KVTransferTimeout
 from pdserve.kvtransfer.transport import KVReceiverConfig, create_transport
+from pdserve.kvtransfer.wire import header_is_authentic
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,10 @@ class KVInbox:
             reserved blocks for, or None when it reserved nothing for that id. A message
             for an unreserved id, or larger than the reservation, is dropped before it is
             decoded or stored (counted in :attr:`num_dropped`). None: accept every id.
-        cluster_keys: the deployment's keys (zmq: only the cluster's senders connect).
+        cluster_keys: the deployment's keys: zmq admits only the cluster's senders, and
+            on every transport a message whose header does not carry the cluster's HMAC
+            for this receiver (:func:`~pdserve.kvtransfer.wire.sign_header`) is dropped
+            unread, before any block is written.
 
     ``ready`` yields ``(request_id, (kv, scales))`` with ``kv`` a
     ``[num_layers, 2, num_blocks, block_size, H, D]`` tensor in ``cache_dtype`` and
@@ -58,6 +62,7 @@ class KVInbox:
                  advertise_host: str | None = None, keep_fp8: bool = False,
                  cluster_keys=None, expects=None) -> None:
         self.transport = create_transport(transport_name, cluster_keys)
+        self.cluster_keys = cluster_keys
         self.receiver = self.transport.create_receiver(KVReceiverConfig(
             address=address, max_message_bytes=MAX_KV_MESSAGE_BYTES, num_buffers=2))
         self.address = self.receiver.address
@@ -109,19 +114,23 @@ class KVInbox:
 
     def _is_reserved(self, header) -> bool:
         """Whether ``header``'s request has blocks reserved here that its KV fits in."""
-        if self.expects is None:
-            return True
-        num_tokens = self.expects(header.request_id)
-        if num_tokens is not None and header.num_tokens <= num_tokens and \
-                header.num_blocks <= -(-num_tokens // header.block_size):
+        why = None
+        if self.cluster_keys is not None and not header_is_authentic(
+                header, self.cluster_keys, self.address):
+            why = "its cluster token is missing or wrong"
+        elif self.expects is not None:
+            num_tokens = self.expects(header.request_id)
+            if num_tokens is None:
+                why = "no blocks reserved for it"
+            elif header.num_tokens > num_tokens or \
+                    header.num_blocks > -(-num_tokens // header.block_size):
+                why = f"larger than its {num_tokens}-token reservation"
+        if why is None:
             return True
         self.num_dropped += 1
         if self.num_dropped <= 10 or self.num_dropped % 1000 == 0:
             logger.warning("dropped a KV message for %r (%d tokens): %s (%d dropped so far)",
-                           header.request_id[:64], header.num_tokens,
-                           "no blocks reserved for it" if num_tokens is None
-                           else f"larger than its {num_tokens}-token reservation",
-                           self.num_dropped)
+                           header.request_id[:64], header.num_tokens, why, self.num_dropped)
         return False
 
     def _add(self, rid: str, decoded) -> None:

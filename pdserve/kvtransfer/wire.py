@@ -12,6 +12,13 @@ the prefill's compute). Transports move three parts and never look inside the la
 
 with ``L = layer_end - layer_start`` and all arrays C-contiguous, little-endian. The header's
 ``checksum`` is :func:`~pdserve.kvtransfer.checksum.kv_checksum` over parts 1 and 2.
+
+With cluster keys (:mod:`pdserve.security`) the header's ``auth`` is an HMAC-SHA256, keyed
+by the cluster secret, over the request id, the destination's KV address, the layer range,
+the token and block counts and the checksum (:func:`sign_header`). A receiver checks it
+(:func:`header_is_authentic`) before it touches a block, so a push forged by anyone without
+the secret, or one aimed at another worker, is dropped; on UCX, whose transports neither
+authenticate nor encrypt, this is the only check.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ class KVHeader(msgspec.Struct, frozen=True):
     payload_bytes: int
     scale_bytes: int
     checksum: int  # kv_checksum(payload, scales), 0 <= checksum < 2**64
+    auth: bytes = b""  # HMAC by the cluster secret (sign_header), empty without keys
 
     @property
     def num_layers(self) -> int:
@@ -261,3 +269,24 @@ def _typed_view(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if raw.ctypes.data % itemsize:
         raw = raw.copy()
     return torch.from_numpy(raw).view(dtype)
+
+
+def _auth_parts(header: KVHeader, dest_address: str) -> tuple[bytes, ...]:
+    return (b"kv-push", header.request_id.encode(), dest_address.encode(),
+            *(str(v).encode() for v in (header.layer_start, header.layer_end,
+                                         header.num_tokens, header.num_blocks,
+                                         header.payload_bytes, header.scale_bytes,
+                                         header.checksum)))
+
+
+def sign_header(header: KVHeader, keys, dest_address: str) -> KVHeader:
+    """``header`` with its ``auth`` HMAC for a push to ``dest_address`` (the receiver's
+    advertised KV address); ``keys`` is a :class:`pdserve.security.ClusterKeys`."""
+    return msgspec.structs.replace(header, auth=keys.sign(*_auth_parts(header, dest_address)))
+
+
+def header_is_authentic(header: KVHeader, keys, dest_address: str) -> bool:
+    """Whether ``header.auth`` is the cluster's HMAC for a push to ``dest_address``."""
+    import hmac
+
+    return hmac.compare_digest(header.auth, keys.sign(*_auth_parts(header, dest_address)))

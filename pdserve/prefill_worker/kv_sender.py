@@ -18,7 +18,7 @@ import torch
 
 from pdserve.decode_worker.kv_inbox import MAX_KV_MESSAGE_BYTES
 from pdserve.kvtransfer.transport import KVSender, create_transport
-from pdserve.kvtransfer.wire import encode_kv
+from pdserve.kvtransfer.wire import encode_kv, sign_header
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class KVSenderThread:
                  on_done: Callable[[str, int, float, str | None], None],
                  cluster_keys=None) -> None:
         self.transport = create_transport(transport_name, cluster_keys)
+        self.cluster_keys = cluster_keys
         self.use_fp8 = use_fp8
         self.timeout_s = timeout_s
         self.on_done = on_done
@@ -102,7 +103,10 @@ class KVSenderThread:
                             layer_start=job.layer_start + start, num_tokens=job.num_tokens,
                             use_fp8=use_fp8,
                             scales=None if job.scales is None else job.scales[start:start + step])
-            self._sender(job.dest_address).send(enc.header, enc.buffers,
+            header = enc.header
+            if self.cluster_keys is not None:
+                header = sign_header(header, self.cluster_keys, job.dest_address)
+            self._sender(job.dest_address).send(header, enc.buffers,
                                                 timeout_s=self.timeout_s)
             num_bytes += enc.header.payload_bytes + enc.header.scale_bytes
         return num_bytes
