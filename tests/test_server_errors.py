@@ -281,6 +281,17 @@ def test_health_and_metrics_need_no_key(auth_server, path):
     assert httpx.get(f"{auth_server.base}{path}").status_code == 200
 
 
+@pytest.mark.parametrize("method,path", [("GET", "/docs"), ("GET", "/openapi.json"),
+                                         ("GET", "/redoc"), ("POST", "/tokenize"),
+                                         ("POST", "/detokenize")])
+def test_schema_pages_and_tokenizer_endpoints_need_the_key(auth_server, method, path):
+    body = {"tokens": [1]} if path == "/detokenize" else {"prompt": "hi"}
+    assert httpx.request(method, f"{auth_server.base}{path}", json=body).status_code == 401
+    ok = httpx.request(method, f"{auth_server.base}{path}", json=body,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200
+
+
 def test_sigterm_stops_serve_and_its_worker(auth_server):
     # Last test of this section: it stops the shared server.
     worker = auth_server.worker_pid()

@@ -51,6 +51,9 @@ async def _unless_disconnected(request: Request, handler: Awaitable[Response]) -
 
 #: ``Retry-After`` (seconds) on the 503 a draining server answers new requests with.
 DRAIN_RETRY_AFTER_S = 1
+#: Paths that need the API key when one is set: the API, its tokenizer endpoints and its
+#: schema pages. ``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -97,7 +100,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
+        if state.api_key and request.url.path.startswith(PROTECTED_PREFIXES):
             header = request.headers.get("authorization", "")
             token = header[7:] if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), state.api_key.encode()):
