@@ -282,7 +282,11 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                    help="zmq address the router binds (default: serve: a free loopback "
                         "port; server: tcp://0.0.0.0:5557)")
     p.add_argument("--max-num-inflight", type=int, default=1024,
-                   help="requests in flight above which new ones get 503")
+                   help="requests in flight above which new ones get 503 with Retry-After")
+    p.add_argument("--first-token-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a request still without its first token after this long (queued "
+                        "behind others, then prefilled) ends with a 503 error instead of "
+                        "waiting on; 0 waits for ever (default: 600)")
 
 
 def build_parser() -> argparse.ArgumentParser:

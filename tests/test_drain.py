@@ -73,3 +73,26 @@ def test_sigterm_lets_sixteen_streams_finish_and_refuses_new_requests():
         assert srv.proc.returncode == 0
     finally:
         srv.stop()
+
+
+def test_a_request_without_a_first_token_in_time_ends_with_a_503_and_frees_its_blocks():
+    """--first-token-timeout: a long prompt queued behind others (here: prefilled slower
+    than the limit) ends with a clear 503 instead of waiting on; the worker drops it and
+    serves the next request."""
+    from server_utils import wait_idle
+
+    srv = ServerProcess("--first-token-timeout", "1")
+    try:
+        long_prompt = " ".join(["The river wound slowly through the valley."] * 180)
+        resp = httpx.post(f"{srv.base_url}/completions", timeout=120, json={
+            "model": MODEL, "prompt": long_prompt, "max_tokens": 4})
+        assert resp.status_code == 503, resp.text
+        assert "no first token within 1 s" in resp.json()["error"]["message"]
+        m = wait_idle(srv)
+        assert m["pdserve:kv_cache_usage_perc{}"] == 0
+        assert m["pdserve:request_timeouts_total{kind=first_token}"] == 1
+        ok = httpx.post(f"{srv.base_url}/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        srv.stop()

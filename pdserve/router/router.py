@@ -93,6 +93,8 @@ class RoutingConfig:
         prefill_threshold: prompts with at least this many tokens use a prefill worker.
         kv_failure_policy: "recompute" (decode worker prefills itself) or "fail".
         reserve_timeout_s: how long a request may wait for a decode worker to have blocks.
+        first_token_timeout_s: how long a request may wait for its first token (queued,
+            then prefilled) before it ends with an error; 0 waits for ever.
 
     Raises:
         ValueError: naming the field.
@@ -101,8 +103,12 @@ class RoutingConfig:
     prefill_threshold: int = 512
     kv_failure_policy: str = "recompute"
     reserve_timeout_s: float = 10.0
+    first_token_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if self.first_token_timeout_s < 0:
+            raise ValueError(f"first_token_timeout_s must be >= 0, got "
+                             f"{self.first_token_timeout_s}")
         if self.prefill_threshold < 1:
             raise ValueError(f"prefill_threshold must be >= 1, got {self.prefill_threshold}")
         if self.kv_failure_policy not in ("recompute", "fail"):
@@ -138,6 +144,7 @@ class RequestHandle:
         self.prompt_token_ids = prompt_token_ids or []
         self.params = params
         self.num_deltas = 0  # deltas handed to the consumer
+        self.created_s = time.monotonic()
         self.output_token_ids: list[int] = []  # tokens handed to the consumer
         self.is_retried = False
         self.remote: RemotePrefill | None = None
@@ -601,9 +608,23 @@ class Router:
             logger.info("worker %s (%s, pid %d) registered", msg.worker_id, msg.role, msg.pid)
             self.worker_registered.set()
 
+    def _expire_queued(self) -> None:
+        """End requests that waited past ``first_token_timeout_s`` without a first token."""
+        limit = self.routing.first_token_timeout_s
+        if not limit:
+            return
+        now = time.monotonic()
+        for handle in list(self.handles.values()):
+            if handle.num_deltas == 0 and now - handle.created_s > limit:
+                self._count("request_timeouts", "first_token")
+                self._fail(handle, WorkerFailed(
+                    f"no first token within {limit:g} s (the server is overloaded); "
+                    "retry later"))
+
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(self.registry.heartbeat_interval_s / 4)
+            self._expire_queued()
             for worker in self.registry.remove_dead():
                 self.prefix_indexes.pop(worker.worker_id, None)
                 logger.warning("worker %s (%s) missed its heartbeats; dropping it",

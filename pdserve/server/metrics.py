@@ -76,6 +76,9 @@ class ServerMetrics:
             "pdserve:dropped_messages", "Messages the router dropped (reason: frames, "
             "malformed, impostor, unregistered, not_its_request).", lbl + ["reason"],
             registry=r)
+        self.request_timeouts = Counter(
+            "pdserve:request_timeouts", "Requests ended by a deadline (kind: first_token).",
+            lbl + ["kind"], registry=r)
         self.router_loop_restarts = Counter(
             "pdserve:router_loop_restarts", "Router loops restarted after a failure.",
             lbl + ["loop"], registry=r)
