@@ -194,23 +194,11 @@ def test_arguments_before_name_and_a_missing_end_tag_still_parse():
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
 def test_streamed_deltas_reassemble_to_the_parsed_calls(chunk):
-    stream = HermesToolParser().stream()
-    deltas = [stream.feed(CANNED[i:i + chunk]) for i in range(0, len(CANNED), chunk)]
-    deltas.append(stream.finish())
-    content = "".join(d.content for d in deltas)
-    calls: dict[int, dict] = {}
-    for d in deltas:
-        for piece in d.tool_calls:
-            call = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
-            assert call["id"] is None or piece.id is None  # id and name sent once, first
-            call["id"] = call["id"] or piece.id
-            call["name"] = call["name"] or piece.name
-            call["arguments"] += piece.arguments
+    content, calls = reassemble(CANNED, chunk)
     whole = HermesToolParser().parse(CANNED)
     assert content == whole.content
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
-        (c.name, c.arguments) for c in whole.tool_calls]
-    assert stream.num_calls == 2
+    assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
+    assert len(calls) == 2
 
 
 def test_name_comes_before_any_argument_piece():
