@@ -12,6 +12,7 @@ import time
 import zmq
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.memory import IdleTrimmer
 from pdserve.security import ClusterKeys, secure_client
 from pdserve.worker_metrics import KVTransferTotals
 from pdserve.messages import (
@@ -144,6 +145,8 @@ class EngineWorker:
                 if self.is_registered:
                     sock.send(codec.encode(self.load()))
                 time.sleep(self.heartbeat_interval_s)
+        except zmq.ZMQError:  # the context is closing: the worker is stopping
+            pass
         finally:
             sock.close(0)
 
@@ -207,6 +210,7 @@ class EngineWorker:
         heartbeats.start()
         last_register = 0.0
         announced = False
+        trimmer = IdleTrimmer()
         while not self.should_stop:
             if self.draining and not announced:  # the router routes nothing new here
                 self.send(self.load())
@@ -222,6 +226,8 @@ class EngineWorker:
             self.poll_extra()
             if self.engine.has_unfinished_requests:
                 self._step()
+            else:
+                trimmer.tick(self.has_work(), now)
             if self.draining:
                 if not self.has_work():
                     break
@@ -231,6 +237,7 @@ class EngineWorker:
                                    len(self.engine.requests))
                     break
         logger.info("%s worker %s stopping", self.role, self.worker_id)
+        self.should_stop = True  # ends the heartbeat thread (a drain leaves the loop early)
         self.close()
         heartbeats.join(timeout=2 * self.heartbeat_interval_s)
         self.sock.close(0)

@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.engine.outputs import RequestDelta
+from pdserve.memory import IdleTrimmer
 from pdserve.security import ClusterKeys, PeerGate, secure_server
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (
@@ -622,9 +623,11 @@ class Router:
                     "retry later"))
 
     async def _liveness_loop(self) -> None:
+        trimmer = IdleTrimmer()
         while True:
             await asyncio.sleep(self.registry.heartbeat_interval_s / 4)
             self._expire_queued()
+            trimmer.tick(bool(self.handles), time.monotonic())
             for worker in self.registry.remove_dead():
                 self.prefix_indexes.pop(worker.worker_id, None)
                 logger.warning("worker %s (%s) missed its heartbeats; dropping it",
