@@ -167,7 +167,15 @@ class EngineWorker:
         elif isinstance(msg, ShutdownWorker):
             self.should_stop = True
         else:
-            self.handle(msg)
+            try:
+                self.handle(msg)
+            except Exception:  # one bad message must not take the worker down
+                logger.exception("failed to handle %s", type(msg).__name__)
+                request_id = getattr(msg, "request_id", None)
+                if request_id is not None:
+                    self.abort(request_id)
+                    self.send(RequestFailed(request_id, "the worker could not take this "
+                                                        "request", is_client_error=False))
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)

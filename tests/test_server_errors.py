@@ -336,6 +336,11 @@ def test_health_is_503_without_worker(bare_server):
     assert resp.status_code == 503
     assert openai_error(resp)["type"] == "service_unavailable"
 
+def test_live_is_200_while_the_router_runs_even_without_workers(bare_server):
+    """Liveness (/live) means the router's loops run; readiness (/health) also needs a
+    worker, which a bare `pdserve server` has not."""
+    assert httpx.get(f"{bare_server.base}/live", timeout=10).status_code == 200
+
 
 @pytest.mark.parametrize("path,body", [(CHAT, chat(max_tokens=4)),
                                        (COMPLETIONS, completion(max_tokens=4))],

@@ -111,6 +111,10 @@ class KVInbox:
                     logger.warning("bad KV message for %s: %s", rid, exc)
                     self._partial.pop(rid, None)
                     self.ready.put((rid, "format"))
+                except Exception:  # the receive loop must outlive any one message
+                    logger.exception("failed to store KV for %s", rid)
+                    self._partial.pop(rid, None)
+                    self.ready.put((rid, "format"))
 
     def _is_reserved(self, header) -> bool:
         """Whether ``header``'s request has blocks reserved here that its KV fits in."""

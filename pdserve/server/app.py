@@ -146,6 +146,15 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body("no worker is registered and alive",
                                        "service_unavailable"), status_code=503)
 
+    @app.get("/live")
+    async def live():
+        """Liveness (Kubernetes ``livenessProbe``): 200 while the router's loops run,
+        whatever the workers do; 503 while one is being restarted."""
+        if state.router.is_healthy:
+            return Response(status_code=200)
+        return JSONResponse(error_body("the router is restarting a failed loop",
+                                       "service_unavailable"), status_code=503)
+
     @app.get("/version")
     async def version():
         return {"version": __version__}
