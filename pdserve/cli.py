@@ -283,6 +283,9 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                         "port; server: tcp://0.0.0.0:5557)")
     p.add_argument("--max-num-inflight", type=int, default=1024,
                    help="requests in flight above which new ones get 503 with Retry-After")
+    p.add_argument("--max-waiting-per-worker", type=int, default=512,
+                   help="requests queued on a decode worker beyond those it runs; past it "
+                        "new requests get 503 with Retry-After at once (default: 512)")
     p.add_argument("--first-token-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a request still without its first token after this long (queued "
                         "behind others, then prefilled) ends with a 503 error instead of "

@@ -158,7 +158,8 @@ def build_server_state(args: argparse.Namespace, router_address: str, cluster_ke
     routing = RoutingConfig(prefill_threshold=args.prefill_threshold,
                             kv_failure_policy=args.kv_failure_policy,
                             reserve_timeout_s=args.kv_transfer_timeout,
-                            first_token_timeout_s=args.first_token_timeout)
+                            first_token_timeout_s=args.first_token_timeout,
+                            max_waiting_per_worker=args.max_waiting_per_worker)
     router = Router(router_address, routing, metrics, max_num_inflight=args.max_num_inflight,
                     cluster_keys=cluster_keys)
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None

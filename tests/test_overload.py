@@ -1,5 +1,6 @@
 """Overload sheds, never stalls: 2,000 concurrent requests against `pdserve serve` each get
-a 200 or a 503 with Retry-After (beyond --max-num-inflight) within their deadline, nothing
+a 200 or a 503 with Retry-After (beyond the decode worker's queue bound,
+--max-waiting-per-worker, or --max-num-inflight) within their deadline, nothing
 hangs, KV usage returns to 0 and the processes' memory returns to within 10 % of where it
 started (idle processes give freed heap back: pdserve.memory)."""
 
@@ -62,7 +63,9 @@ def test_two_thousand_concurrent_requests_are_served_or_shed_and_memory_comes_ba
         print(f"{NUM_REQUESTS} requests: {dict(outcomes)}, slowest "
               f"{max(t for *_, t in results):.1f} s")
         assert set(outcomes) <= {(200, None), (503, "1"), (429, "1")}, outcomes
-        assert outcomes[(200, None)] >= 1024  # --max-num-inflight's default were admitted
+        # admitted: at least the worker's queue bound (512; its running count comes with
+        # its heartbeats, so more get in as the batch fills)
+        assert outcomes[(200, None)] >= 512
         assert max(t for *_, t in results) < DEADLINE_S
         m = wait_idle(srv, 30)
         assert m["pdserve:kv_cache_usage_perc{}"] == 0

@@ -96,6 +96,8 @@ class RoutingConfig:
         reserve_timeout_s: how long a request may wait for a decode worker to have blocks.
         first_token_timeout_s: how long a request may wait for its first token (queued,
             then prefilled) before it ends with an error; 0 waits for ever.
+        max_waiting_per_worker: requests a decode worker may hold beyond those it runs
+            (its queue); when the chosen worker's is full a new request gets 503 at once.
 
     Raises:
         ValueError: naming the field.
@@ -105,8 +107,12 @@ class RoutingConfig:
     kv_failure_policy: str = "recompute"
     reserve_timeout_s: float = 10.0
     first_token_timeout_s: float = 600.0
+    max_waiting_per_worker: int = 512
 
     def __post_init__(self) -> None:
+        if self.max_waiting_per_worker < 1:
+            raise ValueError(f"max_waiting_per_worker must be >= 1, got "
+                             f"{self.max_waiting_per_worker}")
         if self.first_token_timeout_s < 0:
             raise ValueError(f"first_token_timeout_s must be >= 0, got "
                              f"{self.first_token_timeout_s}")
@@ -304,6 +310,11 @@ class Router:
         decode, num_cached = self._choose_decode(prompt_token_ids)
         if decode is None:
             raise NoWorkerAvailable("no decode worker is available")
+        running = decode.load.num_running if decode.load is not None else 0
+        if len(decode.inflight) - running >= self.routing.max_waiting_per_worker:
+            raise NoWorkerAvailable(
+                f"every decode worker's queue is full ({self.routing.max_waiting_per_worker} "
+                "waiting requests)")
         route = "local"
         if params.prompt_logprobs is None and \
                 len(prompt_token_ids) - num_cached >= self.routing.prefill_threshold:
