@@ -41,7 +41,7 @@ def int8_reference(kv: torch.Tensor) -> torch.Tensor:
 
 def fp8_wire(kv: torch.Tensor) -> torch.Tensor:
     """The shipped FP8 wire codec, encode then decode."""
-    from pdserve.kvtransfer.fp8 import dequantize_blocks, quantize_blocks
+    from pdserve.fp8 import dequantize_blocks, quantize_blocks
 
     codes, scales = quantize_blocks(kv)
     return dequantize_blocks(codes, scales, kv.dtype)

@@ -96,7 +96,7 @@ def raw_twin(mode: Mode) -> Mode:
 
 def make_kv() -> torch.Tensor:
     """Stands in for gather_blocks' output (NumPy-backed memory, like it)."""
-    from pdserve.kvtransfer.host_memory import empty_host
+    from pdserve.host_memory import empty_host
 
     torch.manual_seed(0)
     kv = empty_host(KV_SHAPE, torch.bfloat16)  # [30, 2, 128, 16, 3, 64]
@@ -108,7 +108,7 @@ def make_kv() -> torch.Tensor:
 def receive_kv(receiver, mode: Mode, num_requests: int, num_warmup: int = NUM_WARMUP,
                out: torch.Tensor | None = None) -> float:
     """recv + decode (checksum) + FP8 dequantize into ``out``; seconds after warm-up."""
-    from pdserve.kvtransfer.fp8 import dequantize_blocks
+    from pdserve.fp8 import dequantize_blocks
 
     out = torch.empty(KV_SHAPE, dtype=torch.bfloat16) if out is None else out
     codes = torch.empty(KV_SHAPE, dtype=torch.float8_e4m3fn) if mode.stored_fp8 else None
@@ -164,7 +164,7 @@ def send_kv(sender, kv: torch.Tensor, mode: Mode, num_requests: int, window: int
     encoded_cache = {} if encoded_cache is None else encoded_cache
     stored = None
     if mode.stored_fp8:  # the FP8 cache's contents, quantized when the KV was stored
-        from pdserve.kvtransfer.fp8 import quantize_blocks
+        from pdserve.fp8 import quantize_blocks
 
         if "stored fp8" not in encoded_cache:
             encoded_cache["stored fp8"] = quantize_blocks(kv)
@@ -398,7 +398,7 @@ def time_best(fn, repeats: int = 5) -> float:
 def print_steps() -> None:
     from pdserve.kvtransfer.blocks import gather_blocks
     from pdserve.kvtransfer.checksum import wsum64
-    from pdserve.kvtransfer.fp8 import dequantize_blocks, quantize_blocks
+    from pdserve.fp8 import dequantize_blocks, quantize_blocks
 
     kv = make_kv()
     cache = torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS + 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,

@@ -27,7 +27,7 @@ from pdserve.engine.kernels.prefill_attention import (
 )
 from pdserve.engine.kernels.rmsnorm import rms_norm, rms_norm_reference
 from pdserve.engine.kernels.rotary import apply_rotary_, apply_rotary_reference
-from pdserve.kvtransfer.fp8 import quantize_blocks
+from pdserve.fp8 import quantize_blocks
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 FP8 = torch.float8_e4m3fn

@@ -9,7 +9,7 @@ import torch
 from pdserve.kvtransfer.blocks import gather_blocks, scatter_blocks
 from pdserve.kvtransfer.checksum import ROW_WORDS, kv_checksum, wsum64
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError
-from pdserve.kvtransfer.fp8 import dequantize_blocks, quantize_blocks
+from pdserve.fp8 import dequantize_blocks, quantize_blocks
 from pdserve.kvtransfer.wire import (
     KVHeader, decode_header, decode_kv, encode_header, encode_kv)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kvtransfer.fp8 import (
+from pdserve.fp8 import (
     FP8_E4M3_MAX, dequantize_blocks, fp8_e4m3_values, fp8_error_bound, quantize_blocks)
 
 SHAPE = (2, 2, 5, 16, 3, 64)  # [num_layers, 2, num_blocks, block_size, H, D]
@@ -171,7 +171,7 @@ def test_dequantize_accepts_uint8_payload_and_out_buffer():
 
 
 def test_chunking_does_not_change_the_result(monkeypatch):
-    import pdserve.kvtransfer.fp8 as fp8
+    import pdserve.fp8 as fp8
 
     torch.manual_seed(8)
     kv = torch.randn(3, 2, 7, 16, 3, 64, dtype=torch.bfloat16)

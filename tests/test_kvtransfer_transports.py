@@ -18,7 +18,7 @@ import torch
 
 from pdserve.kvtransfer.blocks import gather_blocks, scatter_blocks
 from pdserve.kvtransfer.errors import KVFormatError, KVTransferTimeout
-from pdserve.kvtransfer.fp8 import dequantize_blocks, fp8_error_bound, quantize_blocks
+from pdserve.fp8 import dequantize_blocks, fp8_error_bound, quantize_blocks
 from pdserve.kvtransfer.transport import KVReceiverConfig, create_transport
 from pdserve.kvtransfer.ucx_transport import ucx_unavailable_reason
 from pdserve.kvtransfer.wire import encode_header, encode_kv

@@ -17,13 +17,12 @@ import torch
 
 from pdserve.kvtransfer.addressing import replace_tcp_host
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError, KVTransferTimeout
-from pdserve.kvtransfer.transport import KVReceiverConfig, create_transport
+from pdserve.kvtransfer.transport import MAX_KV_MESSAGE_BYTES, KVReceiverConfig, create_transport
 from pdserve.kvtransfer.wire import header_is_authentic
 
 logger = logging.getLogger(__name__)
 
 #: Largest single KV message accepted (senders split a request's layers to stay below it).
-MAX_KV_MESSAGE_BYTES = 64 * 1024 * 1024
 #: How long the receive call waits before checking whether to stop.
 RECV_POLL_S = 0.1
 

@@ -288,7 +288,7 @@ class ModelRunner:
         if self.kv_scales is None:
             self.kv_cache[:, :, ids] = kv.to(device=self.device, dtype=self.kv_cache.dtype)
             return
-        from pdserve.kvtransfer.fp8 import quantize_blocks  # noqa: PLC0415 (engine <- kvtransfer)
+        from pdserve.fp8 import quantize_blocks  # noqa: PLC0415
 
         kv = kv.to(device="cpu", dtype=torch.float32).clone()
         kv.view(*kv.shape[:2], -1, *kv.shape[4:])[:, :, num_tokens:] = 0

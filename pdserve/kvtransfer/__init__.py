@@ -11,7 +11,7 @@
 from pdserve.kvtransfer.blocks import gather_blocks, scatter_blocks
 from pdserve.kvtransfer.errors import (
     KVChecksumError, KVFormatError, KVTransferError, KVTransferTimeout)
-from pdserve.kvtransfer.fp8 import dequantize_blocks, fp8_error_bound, quantize_blocks
+from pdserve.fp8 import dequantize_blocks, fp8_error_bound, quantize_blocks
 from pdserve.kvtransfer.transport import (
     TRANSPORTS, KVReceiver, KVReceiverConfig, KVSender, KVSendHandle, KVTransport,
     ReceivedKV, create_transport)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.kvtransfer.host_memory import empty_host
+from pdserve.host_memory import empty_host
 from pdserve.kvtransfer.wire import DecodedKV
 
 

@@ -148,6 +148,10 @@ class KVTransport(Protocol):
     def close(self) -> None: ...
 
 
+#: Largest KV message a decode worker receives (bytes); senders split a request's layers
+#: into messages under it.
+MAX_KV_MESSAGE_BYTES = 64 * 1024 * 1024
+
 # name -> "module:Class"; imported on first use so that e.g. ucxx loads only for "ucx".
 TRANSPORTS: Mapping[str, str] = MappingProxyType({
     "inproc": "pdserve.kvtransfer.inproc:InprocTransport",

@@ -34,8 +34,8 @@ import torch
 
 from pdserve.kvtransfer.checksum import kv_checksum
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError
-from pdserve.kvtransfer.fp8 import FP8_DTYPE, SCALE_DTYPE, dequantize_blocks, quantize_blocks
-from pdserve.kvtransfer.host_memory import empty_host
+from pdserve.fp8 import FP8_DTYPE, SCALE_DTYPE, dequantize_blocks, quantize_blocks
+from pdserve.host_memory import empty_host
 
 WIRE_DTYPE_FP8 = "fp8_e4m3"
 SCALE_LAYOUT_PER_BLOCK_HEAD = "per_layer_kv_block_head"

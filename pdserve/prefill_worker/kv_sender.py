@@ -16,8 +16,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.decode_worker.kv_inbox import MAX_KV_MESSAGE_BYTES
-from pdserve.kvtransfer.transport import KVSender, create_transport
+from pdserve.kvtransfer.transport import MAX_KV_MESSAGE_BYTES, KVSender, create_transport
 from pdserve.kvtransfer.wire import encode_kv, sign_header
 
 logger = logging.getLogger(__name__)

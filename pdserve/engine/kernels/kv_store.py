@@ -6,10 +6,10 @@ Cache layout (one layer, K or V)::
     scales  [num_blocks, num_kv_heads]                          fp32 (FP8 caches only)
     slot = block_id * block_size + offset
 
-FP8 quantization is the KV wire format's (:mod:`pdserve.kvtransfer.fp8`): one scale per
+FP8 quantization is the KV wire format's (:mod:`pdserve.fp8`): one scale per
 (block, KV head), ``code = rne_e4m3(x * fl(1/scale))``, value ``= code * scale``. A block
 written whole in one step (a prefill's full blocks) gets ``scale = absmax / 448``, exactly
-what :func:`~pdserve.kvtransfer.fp8.quantize_blocks` computes, so a prefill worker with an
+what :func:`~pdserve.fp8.quantize_blocks` computes, so a prefill worker with an
 FP8 cache can ship its blocks and scales as they are.
 
 NOTE (blocks that fill over several steps). A block's first write fixes

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kvtransfer.host_memory import empty_host
+from pdserve.host_memory import empty_host
 
 FP8_E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
