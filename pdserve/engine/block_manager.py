@@ -22,6 +22,20 @@ from pdserve.engine.request import Request
 ROOT_HASH = 0
 
 
+def chain_block_hashes(token_ids: list[int], block_size: int, hashes: list[int]) -> list[int]:
+    """Extend ``hashes`` in place over every full block of ``token_ids`` and return it.
+
+    ``hashes`` holds the chained hashes of the first ``len(hashes)`` blocks (start with
+    ``[]``); block ``i``'s hash is ``hash((hash of block i - 1, its tokens))`` with
+    :data:`ROOT_HASH` before block 0, so equal hashes mean equal whole prefixes. Python
+    hashes tuples of ints the same in every process, so the router and the workers agree.
+    """
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else ROOT_HASH
+        hashes.append(hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))))
+    return hashes
+
+
 class Block:
     """One KV block's bookkeeping (the data lives in the KV cache tensors)."""
 
@@ -68,12 +82,7 @@ class BlockManager:
 
     def _update_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` over every full block of its tokens."""
-        bs = self.block_size
-        hashes = request.block_hashes
-        tokens = request.token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
+        chain_block_hashes(request.token_ids, self.block_size, request.block_hashes)
 
     def _find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix usable by ``request`` (no side effects).

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-#: Parent hash of a prompt's first block (same convention as the engine).
-ROOT_HASH = 0
+from pdserve.engine.block_manager import chain_block_hashes
+
 
 
 class PrefixIndex:
@@ -36,11 +36,7 @@ class PrefixIndex:
         self._hashes: OrderedDict[int, None] = OrderedDict()
 
     def _block_hashes(self, token_ids: list[int]) -> list[int]:
-        bs, hashes, parent = self.block_size, [], ROOT_HASH
-        for i in range(len(token_ids) // bs):
-            parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
-            hashes.append(parent)
-        return hashes
+        return chain_block_hashes(token_ids, self.block_size, [])
 
     def num_cached_tokens(self, token_ids: list[int]) -> int:
         """Tokens of the longest prefix of ``token_ids`` believed cached (no side effects).
