@@ -182,11 +182,22 @@ def draining_server(config, state, grace_s: float):
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            if state.draining or grace_s <= 0:
-                super().handle_exit(sig, frame)
+            if state.draining or grace_s <= 0:  # stop now: end what runs, with an error
+                state.draining = True
+                self._loop.call_soon_threadsafe(self._end_inflight)
+                self._loop.call_soon_threadsafe(self._loop.call_later, 0.3, self._stop_now)
                 return
             state.draining = True
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+        def _end_inflight(self) -> None:
+            """Fail every request still in flight: streams get an error event and
+            ``[DONE]``, and the workers get their aborts while the router still runs."""
+            state.router.fail_all("the server is shutting down")
+
+        def _stop_now(self) -> None:
+            self.should_exit = True
+            self.force_exit = True
 
         async def _drain(self) -> None:
             n = state.router.num_inflight
@@ -197,7 +208,9 @@ def draining_server(config, state, grace_s: float):
                 await asyncio.sleep(0.1)
             if state.router.num_inflight:
                 print(f"pdserve: grace period over with {state.router.num_inflight} "
-                      "requests in flight; stopping", file=sys.stderr, flush=True)
+                      "requests in flight; ending them", file=sys.stderr, flush=True)
+                self._end_inflight()
+                await asyncio.sleep(0.5)  # let their error events go out
             self.should_exit = True
 
         async def serve(self, sockets=None) -> None:

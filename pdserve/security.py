@@ -92,7 +92,7 @@ class ClusterKeys:
 
     def child_env(self) -> dict[str, str]:
         """Environment entries that hand this secret to a child process."""
-        return {SECRET_ENV: self.secret.decode("latin-1")}
+        return {SECRET_ENV: self.secret.decode("utf-8", "surrogateescape")}
 
     def sign(self, *parts: bytes) -> bytes:
         """HMAC-SHA256 over ``parts`` (length-prefixed, so no two part lists collide)."""
@@ -125,7 +125,8 @@ def load_cluster_keys(secret_file: str | None = None, *, required: bool = True
         return ClusterKeys(secret)
     value = os.environ.get(SECRET_ENV)
     if value:
-        return ClusterKeys(value.strip().encode("latin-1"))
+        # the same bytes as a file holding the same text (UTF-8); any bytes round-trip
+        return ClusterKeys(value.strip().encode("utf-8", "surrogateescape"))
     if required:
         raise ClusterSecretError(
             "no cluster secret: pass --cluster-secret-file PATH or set "

@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 REGISTER_RETRY_S = 1.0
 #: Longest idle wait on the sockets, so periodic checks (deadlines) still run.
 IDLE_POLL_S = 0.05
+#: A send to the router that cannot be queued within this long is dropped (milliseconds):
+#: a worker that cannot reach the router, or fails its handshake, must still see SIGTERM.
+SEND_TIMEOUT_MS = 1000
+#: Say so when the router has not acknowledged the registration after this long (s).
+REGISTER_WARN_S = 10.0
 #: Default seconds a worker told to stop (SIGTERM) keeps serving its running requests.
 DEFAULT_DRAIN_S = 30.0
 
@@ -68,6 +73,7 @@ class EngineWorker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         secure_client(self.sock, cluster_keys)
         self.sock.connect(router_address)
         self.send_lock = threading.Lock()
@@ -103,7 +109,11 @@ class EngineWorker:
     def send(self, msg) -> None:
         """Send to the router (thread-safe: worker threads may report too)."""
         with self.send_lock:
-            self.sock.send(self.codec.encode(msg), copy=False)
+            try:
+                self.sock.send(self.codec.encode(msg), copy=False)
+            except zmq.Again:  # no connection to the router: liveness sorts it out
+                logger.warning("could not send %s to the router at %s within %d ms",
+                               type(msg).__name__, self.router_address, SEND_TIMEOUT_MS)
 
     def _register(self) -> None:
         self.send(RegisterWorker(
@@ -137,13 +147,17 @@ class EngineWorker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         secure_client(sock, self.cluster_keys)
         sock.connect(self.router_address)
         codec = MessageCodec()
         try:
             while not self.should_stop:
                 if self.is_registered:
-                    sock.send(codec.encode(self.load()))
+                    try:
+                        sock.send(codec.encode(self.load()))
+                    except zmq.Again:
+                        pass  # the router is unreachable; it will drop us, we re-register
                 time.sleep(self.heartbeat_interval_s)
         except zmq.ZMQError:  # the context is closing: the worker is stopping
             pass
@@ -217,6 +231,8 @@ class EngineWorker:
         heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeats.start()
         last_register = 0.0
+        started = time.monotonic()
+        warned_unregistered = False
         announced = False
         trimmer = IdleTrimmer()
         while not self.should_stop:
@@ -227,6 +243,13 @@ class EngineWorker:
             if not self.is_registered and now - last_register >= REGISTER_RETRY_S:
                 self._register()
                 last_register = now
+                if not warned_unregistered and now - started > REGISTER_WARN_S:
+                    warned_unregistered = True
+                    logger.warning(
+                        "%s worker %s: the router at %s has not answered in %.0f s; is it "
+                        "running and reachable, and do both sides use the same cluster "
+                        "secret (or both --insecure-no-auth)?", self.role, self.worker_id,
+                        self.router_address, now - started)
             timeout_ms = 0 if self.engine.has_unfinished_requests else int(IDLE_POLL_S * 1000)
             while poller.poll(timeout_ms):
                 self._handle_raw(self.sock.recv())

@@ -135,6 +135,10 @@ def test_peers_without_the_secret_cannot_join(cluster):
     rogue = start_cli("decode-worker", "--router", cluster.router, "--worker-id", "rogue",
                       "--max-model-len", "1024", "--num-kv-blocks", "64",
                       "--cluster-secret-file", str(wrong))
+    # and one without any authentication: it must not join, and must still stop on SIGTERM
+    plain_worker = start_cli("decode-worker", "--router", cluster.router, "--worker-id",
+                             "plain", "--max-model-len", "1024", "--num-kv-blocks", "64",
+                             "--insecure-no-auth")
     try:
         wait_for(lambda: refused("handshake_failed") > after_raw, 120,
                  "the wrong-secret worker's handshake refused")
@@ -143,8 +147,14 @@ def test_peers_without_the_secret_cannot_join(cluster):
         up = [k for k, v in m.items() if k.startswith("pdserve:worker_up{") and v == 1]
         assert up == ["pdserve:worker_up{role=decode,worker_id=d0}"], up
         assert rogue.poll() is None  # it keeps knocking, unanswered
+        time.sleep(3)  # the plain worker has loaded and is trying to register by now
+        for proc in (rogue, plain_worker):
+            start = time.monotonic()
+            assert stop_process(proc, timeout_s=20) == 0
+            assert time.monotonic() - start < 15, "a worker that never joined ignored SIGTERM"
     finally:
         stop_process(rogue)
+        stop_process(plain_worker)
     assert complete(cluster) == cluster.reference
 
 
@@ -170,6 +180,9 @@ def test_router_drops_hostile_frames_and_serves_on(cluster):
         fuzz.send(codec.encode(StepOutputs(worker_id="fuzz", deltas=[])))  # never registered
         fuzz.send_multipart([b"two", b"frames"])
         req.send(codec.encode(register_msg("req-client")))
+        # registers a name whose replies would go to an identity that does not exist
+        black_hole = dealer(cluster.keys, cluster.router, b"bh/heartbeat")
+        black_hole.send(codec.encode(register_msg("bh")))
         outsider.send(codec.encode(register_msg("outsider")))
         fuzz.send(b"\x00" * (100 * 1024 * 1024))  # over the 64 MiB cap: peer dropped
 
@@ -179,14 +192,14 @@ def test_router_drops_hostile_frames_and_serves_on(cluster):
 
         wait_for(lambda: dropped("unregistered") >= 1, 30, "the unregistered sender dropped")
         assert dropped("malformed") >= 3  # garbage, truncated, a to-worker message
-        assert dropped("impostor") >= 1
+        assert dropped("impostor") >= 2  # a foreign heartbeat, a registration for "bh"
         assert dropped("frames") >= 2  # the two-frame DEALER message and the REQ client
         m = metrics(cluster)
         assert count(m, "pdserve:router_loop_restarts") == 0
         up = [k for k, v in m.items() if k.startswith("pdserve:worker_up{") and v == 1]
         assert up == ["pdserve:worker_up{role=decode,worker_id=d0}"], up
     finally:
-        for s in (fuzz, req, outsider):
+        for s in (fuzz, req, outsider, black_hole):
             s.close()
     assert httpx.get(f"{cluster.base}/health", timeout=10).status_code == 200
     assert complete(cluster) == cluster.reference
@@ -221,8 +234,9 @@ def test_kv_port_drops_hostile_and_unreserved_pushes(cluster):
         def moved(name: str) -> float:
             return count(worker_metrics(cluster), name) - count(before, name)
 
-        wait_for(lambda: moved("pdserve:kv_messages_dropped") >= 1, 30,
-                 "the unreserved push dropped")
+        # garbage, four frames, a short payload (malformed) and the unreserved push
+        wait_for(lambda: moved("pdserve:kv_messages_dropped") >= 4, 30,
+                 "the malformed and unreserved pushes dropped and counted")
         wait_for(lambda: moved("pdserve:refused_connections") >= 1, 30,
                  "the outsider's handshake refused")
         m = worker_metrics(cluster)

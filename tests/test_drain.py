@@ -96,3 +96,46 @@ def test_a_request_without_a_first_token_in_time_ends_with_a_503_and_frees_its_b
         assert ok.status_code == 200
     finally:
         srv.stop()
+
+
+def test_streams_still_running_when_the_grace_period_ends_get_an_error_and_done():
+    """Past --shutdown-grace-period the server ends what still runs with an error event and
+    [DONE] (aborted on the worker too), and every process exits soon after."""
+    srv = ServerProcess("--shutdown-grace-period", "2")
+    pids = [srv.proc.pid, *child_pids(srv.proc.pid)]
+    results: dict = {}
+    started = [threading.Event() for _ in range(4)]
+
+    def long_stream(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 1500,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.base_url}/completions", json=body,
+                          timeout=120) as resp:
+            events = []
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started[i].set()
+        results[i] = events
+
+    threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(120)
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 4
+        for events in results.values():
+            assert events[-1] == "[DONE]"
+            assert any('"error"' in e and "shutting down" in e for e in events)
+        srv.proc.wait(timeout=30)
+        while any(pid_alive(p) for p in pids) and time.monotonic() < signalled + 20:
+            time.sleep(0.1)
+        assert not any(pid_alive(p) for p in pids)
+        assert time.monotonic() - signalled < 20  # the workers had nothing left to drain
+    finally:
+        srv.stop()

@@ -90,6 +90,9 @@ class KVInbox:
             except KVTransferTimeout:
                 self._drop_stale()
                 continue
+            except KVFormatError as exc:  # malformed or oversized: drained by the receiver
+                self._count_drop(f"malformed KV message: {exc}")
+                continue
             except Exception:
                 if self._stop.is_set():
                     return
@@ -130,11 +133,15 @@ class KVInbox:
                 why = f"larger than its {num_tokens}-token reservation"
         if why is None:
             return True
+        self._count_drop(f"KV message for {header.request_id[:64]!r} "
+                         f"({header.num_tokens} tokens): {why}")
+        return False
+
+    def _count_drop(self, what: str) -> None:
+        """Count a message dropped unread; log the first ten, then every thousandth."""
         self.num_dropped += 1
         if self.num_dropped <= 10 or self.num_dropped % 1000 == 0:
-            logger.warning("dropped a KV message for %r (%d tokens): %s (%d dropped so far)",
-                           header.request_id[:64], header.num_tokens, why, self.num_dropped)
-        return False
+            logger.warning("dropped a %s (%d dropped so far)", what, self.num_dropped)
 
     def _add(self, rid: str, decoded) -> None:
         h = decoded.header

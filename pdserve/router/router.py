@@ -380,6 +380,12 @@ class Router:
                 if abort and remote.first_token_id is None:
                     self._send(pworker.worker_id, AbortRequests([rid]))
 
+    def fail_all(self, why: str) -> None:
+        """End every request in flight with :class:`WorkerFailed` (``why``) and abort it on
+        its workers (shutdown)."""
+        for handle in list(self.handles.values()):
+            self._fail(handle, WorkerFailed(why))
+
     def _fail(self, handle: RequestHandle, exc: Exception) -> None:
         self.handles.pop(handle.request_id, None)
         handle.queue.put_nowait(exc)
@@ -555,6 +561,10 @@ class Router:
             return
         worker_id = sender.removesuffix("/heartbeat")
         claimed = getattr(msg, "worker_id", None)
+        if isinstance(msg, RegisterWorker) and sender != msg.worker_id:
+            # replies go to the identity the worker registers: it must be the sender's own
+            self._drop("impostor", sender, f"registration as {msg.worker_id!r}")
+            return
         if claimed is not None and claimed != worker_id:
             self._drop("impostor", sender, f"{type(msg).__name__} claims worker {claimed!r}")
             return
