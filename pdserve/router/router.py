@@ -1,5 +1,13 @@
-"""The router: owns the zmq socket to the workers, decides each request's route, runs the
-remote-prefill handshake, and demultiplexes workers' outputs into per-request streams.
+"""The router: owns the zmq socket to the workers, asks the routing policy for each request's
+route, runs the remote-prefill handshake, and demultiplexes workers' outputs into
+per-request streams.
+
+Its parts live apart, each testable without a socket: the worker registry with liveness
+(:mod:`pdserve.router.registry`), the routing policy (:mod:`pdserve.router.policy`), the
+remote-prefill state machine (:mod:`pdserve.router.remote_prefill`) and the per-request
+handle (:mod:`pdserve.router.requests`). This module is the socket loop, which checks and
+decodes each message and dispatches it through one table by type, and the places where a
+request leaves the router (:meth:`Router._end`).
 
 Runs inside the API server's asyncio loop. Public surface::
 
@@ -30,12 +38,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
 
-from pdserve.engine.outputs import RequestDelta
 from pdserve.memory import IdleTrimmer
 from pdserve.security import ClusterKeys, PeerGate, secure_server
 from pdserve.engine.sampling_params import SamplingParams
@@ -60,8 +67,23 @@ from pdserve.messages import (
     ShutdownWorker,
     StepOutputs,
 )
+from pdserve.router.policy import (
+    FALLBACK,
+    REMOTE_PREFILL,
+    RouteRequest,
+    RoutingPolicy,
+    ThresholdPolicy,
+)
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
+from pdserve.router.remote_prefill import RemoteEvent, RemotePrefill, RemoteState
+from pdserve.router.requests import (  # noqa: F401 (re-exported: the server imports them here)
+    NoWorkerAvailable,
+    RequestHandle,
+    RequestRejected,
+    RoutingConfig,
+    WorkerFailed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,124 +95,29 @@ MAX_CONTROL_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Pause before a failed router loop is restarted (seconds).
 LOOP_RESTART_DELAY_S = 0.1
 
+#: How a request leaves the router (:meth:`Router._end`).
+FINISHED, FAILED, TIMED_OUT, WORKER_LOST, CLIENT_GONE, SHUTDOWN = (
+    "finished", "failed", "timed_out", "worker_lost", "client_gone", "shutdown")
 
-class NoWorkerAvailable(RuntimeError):
-    """No alive worker can take the request now (HTTP 503)."""
-
-
-class RequestRejected(ValueError):
-    """A worker refused the request as invalid (HTTP 400); the message is user-facing."""
-
-
-class WorkerFailed(RuntimeError):
-    """The worker serving a request died or failed internally (HTTP 503)."""
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """Routing policy.
-
-    Attributes:
-        prefill_threshold: prompts with at least this many tokens use a prefill worker.
-        kv_failure_policy: "recompute" (decode worker prefills itself) or "fail".
-        reserve_timeout_s: how long a request may wait for a decode worker to have blocks.
-        first_token_timeout_s: how long a request may wait for its first token (queued,
-            then prefilled) before it ends with an error; 0 waits for ever.
-        max_waiting_per_worker: requests a decode worker may hold beyond those it runs
-            (its queue); when the chosen worker's is full a new request gets 503 at once.
-
-    Raises:
-        ValueError: naming the field.
-    """
-
-    prefill_threshold: int = 512
-    kv_failure_policy: str = "recompute"
-    reserve_timeout_s: float = 10.0
-    first_token_timeout_s: float = 600.0
-    max_waiting_per_worker: int = 512
-
-    def __post_init__(self) -> None:
-        if self.max_waiting_per_worker < 1:
-            raise ValueError(f"max_waiting_per_worker must be >= 1, got "
-                             f"{self.max_waiting_per_worker}")
-        if self.first_token_timeout_s < 0:
-            raise ValueError(f"first_token_timeout_s must be >= 0, got "
-                             f"{self.first_token_timeout_s}")
-        if self.prefill_threshold < 1:
-            raise ValueError(f"prefill_threshold must be >= 1, got {self.prefill_threshold}")
-        if self.kv_failure_policy not in ("recompute", "fail"):
-            raise ValueError("kv_failure_policy must be 'recompute' or 'fail', got "
-                             f"{self.kv_failure_policy!r}")
-
-
-@dataclass
-class RemotePrefill:
-    """Handshake state of one remote-prefill request."""
-
-    prefill_worker_id: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    started_s: float
-    first_token_id: int | None = None
-    is_kv_sent: bool = False
-    is_resumed: bool = False
-
-
-class RequestHandle:
-    """One request's stream of :class:`RequestDelta`; iterate it with ``async for``.
-
-    Iteration raises :class:`RequestRejected` or :class:`WorkerFailed` on failure.
-    """
-
-    def __init__(self, request_id: str, worker_id: str, route: str = "local",
-                 prompt_token_ids: list[int] | None = None,
-                 params: SamplingParams | None = None) -> None:
-        self.request_id = request_id
-        self.worker_id = worker_id  # the decode worker
-        self.route = route
-        self.prompt_token_ids = prompt_token_ids or []
-        self.params = params
-        self.num_deltas = 0  # deltas handed to the consumer
-        self.created_s = time.monotonic()
-        self.output_token_ids: list[int] = []  # tokens handed to the consumer
-        self.is_retried = False
-        self.remote: RemotePrefill | None = None
-        self.queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
-        self.finished = False
-
-    def deliver(self, delta: RequestDelta) -> None:
-        """Hand a worker's delta to the consumer and remember its tokens (for a retry)."""
-        self.queue.put_nowait(delta)
-        self.num_deltas += 1
-        self.output_token_ids.extend(delta.new_token_ids)
-
-    def __aiter__(self) -> "RequestHandle":
-        return self
-
-    async def __anext__(self) -> RequestDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, Exception):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+#: Messages that may come from a worker before it is registered.
+_BEFORE_REGISTRATION = (RegisterWorker, Heartbeat)
 
 
 class Router:
-    """Worker registry + routing + remote-prefill orchestration + output demultiplexing.
+    """The socket loop, request placement and the exits of requests; see the module
+    docstring.
 
     Args:
         address: zmq address to bind (``tcp://127.0.0.1:5557``; port 0 picks a free one).
-        routing: the routing policy.
+        routing: the routing settings.
         metrics: series to record routing and transfer events in (optional).
         heartbeat_interval_s: the period workers report at.
         max_missed_heartbeats: silence after which a worker is dead.
         max_num_inflight: requests in flight above which new ones get 503.
         cluster_keys: the deployment's CURVE keys (:mod:`pdserve.security`): only peers
             holding the cluster secret can connect; None runs unauthenticated.
+        policy: the routing policy (default: :class:`ThresholdPolicy` at
+            ``routing.prefill_threshold``).
 
     Hostile input on the socket: a message with other than two frames (identity, body),
     bytes that are not a worker message, one claiming another worker's id, one from a
@@ -205,9 +132,11 @@ class Router:
     def __init__(self, address: str, routing: RoutingConfig | None = None, metrics=None,
                  heartbeat_interval_s: float = 1.0, max_missed_heartbeats: int = 3,
                  max_num_inflight: int = 1024,
-                 cluster_keys: ClusterKeys | None = None) -> None:
+                 cluster_keys: ClusterKeys | None = None,
+                 policy: RoutingPolicy | None = None) -> None:
         self.bind_address = address
         self.routing = routing or RoutingConfig()
+        self.policy = policy or ThresholdPolicy(self.routing.prefill_threshold)
         self.metrics = metrics
         self.registry = WorkerRegistry(heartbeat_interval_s, max_missed_heartbeats)
         self.max_num_inflight = max_num_inflight
@@ -234,6 +163,18 @@ class Router:
         #: loops currently down (between a failure and their restart)
         self._loops_down: set[str] = set()
         self._dropped_logged: set[tuple[str, str]] = set()
+        #: message type -> handler ``(msg, sender worker id)``: the whole dispatch
+        self._handlers: dict[type, Callable[[Any, str], None]] = {
+            StepOutputs: self._on_step_outputs,
+            Heartbeat: self._on_heartbeat,
+            RegisterWorker: self._on_register,
+            RequestFailed: self._on_request_failed,
+            KVReserved: self._on_reserved,
+            KVReserveRefused: self._on_refused,
+            PrefillDone: self._on_prefill_done,
+            KVSent: self._on_kv_sent,
+            KVTransferFailed: self._on_kv_failed,
+        }
 
     def _bind(self, address: str) -> str:
         if address.startswith("tcp://") and address.endswith(":0"):
@@ -281,13 +222,28 @@ class Router:
         self.sock.close(0)
         self.ctx.term()
 
-    # -- placement -----------------------------------------------------------------------
+    # -- the cluster as policies see it (ClusterView) -------------------------------------
     @property
     def num_inflight(self) -> int:
         return len(self.handles)
 
     def alive_workers(self, role: str | None = None) -> list[WorkerInfo]:
         return self.registry.alive(role)
+
+    def accepting(self, role: str) -> list[WorkerInfo]:
+        """Alive, not draining workers of ``role``."""
+        return self.registry.accepting(role)
+
+    def num_cached_tokens(self, worker: WorkerInfo, prompt_token_ids: list[int]) -> int:
+        """Prompt tokens ``worker`` is believed to hold (its :class:`PrefixIndex`)."""
+        return self._prefix_index(worker).num_cached_tokens(prompt_token_ids)
+
+    def _prefix_index(self, worker: WorkerInfo) -> PrefixIndex:
+        index = self.prefix_indexes.get(worker.worker_id)
+        if index is None or index.block_size != worker.info.block_size:
+            index = PrefixIndex(worker.info.block_size, worker.info.num_kv_blocks)
+            self.prefix_indexes[worker.worker_id] = index
+        return index
 
     def _count(self, series: str, *labels: str, amount: float = 1.0) -> None:
         if self.metrics is not None:
@@ -297,42 +253,40 @@ class Router:
         if self.metrics is not None:
             getattr(self.metrics, series).labels(self.metrics.model_name).observe(value)
 
+    # -- entry -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> RequestHandle:
         """Route a request (see the module docstring).
 
         Raises:
-            NoWorkerAvailable: no alive decode worker, or the in-flight limit is reached.
+            NoWorkerAvailable: no accepting decode worker, its queue is full, or the
+                in-flight limit is reached.
         """
         if self.num_inflight >= self.max_num_inflight:
             raise NoWorkerAvailable(
                 f"server is at its limit of {self.max_num_inflight} requests in flight")
-        decode, num_cached = self._choose_decode(prompt_token_ids)
-        if decode is None:
+        route = self.policy.route(
+            RouteRequest(request_id, prompt_token_ids, params.prompt_logprobs is not None),
+            self)
+        if route is None:
             raise NoWorkerAvailable("no decode worker is available")
+        decode = route.decode
         running = decode.load.num_running if decode.load is not None else 0
         if len(decode.inflight) - running >= self.routing.max_waiting_per_worker:
             raise NoWorkerAvailable(
                 f"every decode worker's queue is full ({self.routing.max_waiting_per_worker} "
                 "waiting requests)")
-        route = "local"
-        if params.prompt_logprobs is None and \
-                len(prompt_token_ids) - num_cached >= self.routing.prefill_threshold:
-            prefill = self.registry.least_loaded("prefill")
-            if prefill is not None and decode.info.kv_address:
-                route = "remote_prefill"
-            else:
-                route = "fallback"
-                logger.info("no prefill worker for %s (%d tokens); prefilling on %s",
-                            request_id, len(prompt_token_ids), decode.worker_id)
-        self._count("route_decisions", route)
+        if route.kind == FALLBACK:
+            logger.info("no prefill worker for %s (%d tokens); prefilling on %s",
+                        request_id, len(prompt_token_ids), decode.worker_id)
+        self._count("route_decisions", route.kind)
         self._prefix_index(decode).record(prompt_token_ids)
-        handle = RequestHandle(request_id, decode.worker_id, route, list(prompt_token_ids),
-                               params)
+        handle = RequestHandle(request_id, decode.worker_id, route.kind,
+                               list(prompt_token_ids), params)
         self.handles[request_id] = handle
         decode.inflight.add(request_id)
-        if route == "remote_prefill":
-            handle.remote = RemotePrefill(None, list(prompt_token_ids), params, time.monotonic())
+        if route.kind == REMOTE_PREFILL:
+            handle.remote = RemotePrefill(list(prompt_token_ids), params)
             self._send(decode.worker_id, ExpectRemoteKV(
                 request_id, list(prompt_token_ids), params, time.time()))
         else:
@@ -340,68 +294,70 @@ class Router:
                 request_id, list(prompt_token_ids), params, time.time()))
         return handle
 
-    def _prefix_index(self, worker: WorkerInfo) -> PrefixIndex:
-        index = self.prefix_indexes.get(worker.worker_id)
-        if index is None or index.block_size != worker.info.block_size:
-            index = PrefixIndex(worker.info.block_size, worker.info.num_kv_blocks)
-            self.prefix_indexes[worker.worker_id] = index
-        return index
-
-    def _choose_decode(self, prompt_token_ids: list[int]) -> tuple[WorkerInfo | None, int]:
-        """The least-loaded decode worker, ties going to the longest cached prefix, and the
-        prompt tokens it is believed to hold."""
-        best, best_key = None, None
-        for worker in self.registry.accepting("decode"):
-            cached = self._prefix_index(worker).num_cached_tokens(prompt_token_ids)
-            key = (worker.load_score, -cached)
-            if best_key is None or key < best_key:
-                best, best_key = worker, key
-        return best, (0 if best_key is None else -best_key[1])
-
+    # -- exits -----------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
         """Stop a request on its workers (no-op if it already finished)."""
-        handle = self.handles.pop(request_id, None)
-        if handle is None:
-            return
-        self._release(handle, abort=True)
+        handle = self.handles.get(request_id)
+        if handle is not None:
+            self._end(handle, CLIENT_GONE)
 
-    def _release(self, handle: RequestHandle, abort: bool) -> None:
+    def fail_all(self, why: str) -> None:
+        """End every request in flight with :class:`WorkerFailed` (``why``) and abort it on
+        its workers (shutdown)."""
+        for handle in list(self.handles.values()):
+            self._end(handle, SHUTDOWN, WorkerFailed(why))
+
+    def _end(self, handle: RequestHandle, outcome: str, exc: Exception | None = None,
+             abort_workers: bool = True) -> None:
+        """Every way a request leaves the router, in one place: it is forgotten, its
+        consumer gets ``exc`` (after what it already has), and each of its workers drops
+        it from its count and, with ``abort_workers``, gets ``AbortRequests`` (the prefill
+        worker only while it still owes the first token). Ending twice is a no-op.
+
+        Args:
+            outcome: :data:`FINISHED`, :data:`FAILED`, :data:`TIMED_OUT`,
+                :data:`WORKER_LOST`, :data:`CLIENT_GONE` or :data:`SHUTDOWN` (for logs).
+        """
         rid = handle.request_id
+        if self.handles.get(rid) is not handle:
+            return
+        del self.handles[rid]
+        if exc is not None:
+            handle.queue.put_nowait(exc)
+            logger.debug("%s ends (%s): %s", rid, outcome, exc)
         worker = self.registry.workers.get(handle.worker_id)
         if worker is not None:
             worker.inflight.discard(rid)
-            if abort:
+            if abort_workers:
                 self._send(worker.worker_id, AbortRequests([rid]))
         remote = handle.remote
         if remote is not None and remote.prefill_worker_id is not None:
             pworker = self.registry.workers.get(remote.prefill_worker_id)
             if pworker is not None:
                 pworker.inflight.discard(rid)
-                if abort and remote.first_token_id is None:
+                if abort_workers and remote.first_token_id is None:
                     self._send(pworker.worker_id, AbortRequests([rid]))
 
-    def fail_all(self, why: str) -> None:
-        """End every request in flight with :class:`WorkerFailed` (``why``) and abort it on
-        its workers (shutdown)."""
-        for handle in list(self.handles.values()):
-            self._fail(handle, WorkerFailed(why))
+    # -- remote prefill handshake (state machine: pdserve.router.remote_prefill) -----------
+    def _remote(self, request_id: str) -> RequestHandle | None:
+        """The live handle of a remote-prefill request, or None."""
+        handle = self.handles.get(request_id)
+        return handle if handle is not None and handle.remote is not None else None
 
-    def _fail(self, handle: RequestHandle, exc: Exception) -> None:
-        self.handles.pop(handle.request_id, None)
-        handle.queue.put_nowait(exc)
-        self._release(handle, abort=True)
-
-    # -- remote prefill handshake --------------------------------------------------------
-    def _on_reserved(self, msg: KVReserved) -> None:
-        handle = self.handles.get(msg.request_id)
-        if handle is None or handle.remote is None:
+    def _on_reserved(self, msg: KVReserved, _sender: str = "") -> None:
+        handle = self._remote(msg.request_id)
+        if handle is None:
             return
+        remote = handle.remote
         decode = self.registry.workers.get(handle.worker_id)
         prefill = self.registry.least_loaded("prefill")
-        remote = handle.remote
         if prefill is None or decode is None:
-            self._count("route_decisions", "fallback")
-            self._resume_locally(handle, "no prefill worker alive")
+            if remote.accepts(RemoteEvent.NO_PREFILL_WORKER):
+                self._count("route_decisions", FALLBACK)
+                self._recompute(handle, RemoteEvent.NO_PREFILL_WORKER,
+                                "no prefill worker alive")
+            return
+        if remote.fire(RemoteEvent.RESERVED) is None:
             return
         remote.prefill_worker_id = prefill.worker_id
         prefill.inflight.add(msg.request_id)
@@ -409,27 +365,29 @@ class Router:
             msg.request_id, remote.prompt_token_ids, remote.params, time.time(),
             decode.worker_id, decode.info.kv_address))
 
-    def _on_refused(self, msg: KVReserveRefused) -> None:
-        handle = self.handles.get(msg.request_id)
-        if handle is None or handle.remote is None:
+    def _on_refused(self, msg: KVReserveRefused, _sender: str = "") -> None:
+        handle = self._remote(msg.request_id)
+        if handle is None:
             return
         if not msg.is_capacity:
-            self._fail(handle, RequestRejected(msg.message))
+            self._end(handle, FAILED, RequestRejected(msg.message))
             return
-        if time.monotonic() - handle.remote.started_s > self.routing.reserve_timeout_s:
-            self._fail(handle, WorkerFailed(
-                "no decode worker could reserve KV blocks in time; retry later"))
-            return
-        asyncio.get_running_loop().call_later(RESERVE_RETRY_S, self._retry_reserve,
-                                              msg.request_id)
+        if handle.remote.fire(RemoteEvent.RESERVE_RETRY) is not None:
+            asyncio.get_running_loop().call_later(RESERVE_RETRY_S, self._retry_reserve,
+                                                  msg.request_id)
 
     def _retry_reserve(self, request_id: str) -> None:
-        handle = self.handles.get(request_id)
-        if handle is None or handle.remote is None:
+        handle = self._remote(request_id)
+        if handle is None or handle.remote.state is not RemoteState.RESERVING:
+            return
+        deadline = handle.remote.deadline_s(self.routing)
+        if deadline is not None and time.monotonic() > deadline:
+            self._end(handle, TIMED_OUT, WorkerFailed(
+                "no decode worker could reserve KV blocks in time; retry later"))
             return
         decode = self.registry.least_loaded("decode")
         if decode is None:
-            self._fail(handle, WorkerFailed("no decode worker is available"))
+            self._end(handle, WORKER_LOST, WorkerFailed("no decode worker is available"))
             return
         old = self.registry.workers.get(handle.worker_id)
         if old is not None:
@@ -440,54 +398,58 @@ class Router:
         self._send(decode.worker_id, ExpectRemoteKV(
             request_id, remote.prompt_token_ids, remote.params, time.time()))
 
-    def _on_prefill_done(self, msg: PrefillDone) -> None:
+    def _on_prefill_done(self, msg: PrefillDone, _sender: str = "") -> None:
         delta = msg.delta
-        handle = self.handles.get(delta.request_id)
-        if handle is None or handle.remote is None or handle.remote.is_resumed:
+        handle = self._remote(delta.request_id)
+        if handle is None or not handle.remote.accepts(RemoteEvent.FIRST_TOKEN):
             return
-        handle.remote.first_token_id = delta.new_token_ids[0]
+        remote = handle.remote
+        remote.first_token_id = delta.new_token_ids[0]
         self._observe("request_prefill_time", msg.prefill_time_s)
         handle.deliver(delta)
         if delta.finished:  # the first token ends it: release D's reservation
-            self.handles.pop(delta.request_id, None)
-            self._release(handle, abort=True)
+            self._end(handle, FINISHED)
             return
+        remote.fire(RemoteEvent.FIRST_TOKEN)
         self._send(handle.worker_id, FirstToken(delta.request_id, delta.new_token_ids[0]))
 
-    def _on_kv_sent(self, msg: KVSent) -> None:
-        handle = self.handles.get(msg.request_id)
+    def _on_kv_sent(self, msg: KVSent, _sender: str = "") -> None:
         pworker = self.registry.workers.get(msg.worker_id)
         if pworker is not None:
             pworker.inflight.discard(msg.request_id)
+        handle = self._remote(msg.request_id)
         if msg.error is not None:
             self._count("kv_transfer_failures", "send_error")
-            if handle is not None and handle.remote is not None:
+            if handle is not None:
                 self._kv_failed(handle, f"KV send failed: {msg.error}")
             return
         self._count("kv_transfer_bytes", amount=msg.num_bytes)
         self._observe("kv_transfer_seconds", msg.seconds)
-        if handle is not None and handle.remote is not None:
-            handle.remote.is_kv_sent = True
+        if handle is not None:
+            handle.remote.fire(RemoteEvent.KV_SENT)
 
-    def _on_kv_failed(self, msg: KVTransferFailed) -> None:
+    def _on_kv_failed(self, msg: KVTransferFailed, _sender: str = "") -> None:
         self._count("kv_transfer_failures", msg.reason)
-        handle = self.handles.get(msg.request_id)
-        if handle is not None and handle.remote is not None:
+        handle = self._remote(msg.request_id)
+        if handle is not None:
             self._kv_failed(handle, f"KV transfer failed ({msg.reason})")
 
-    def _kv_failed(self, handle: RequestHandle, why: str) -> None:
-        if self.routing.kv_failure_policy == "fail":
-            self._fail(handle, WorkerFailed(why))
+    def _kv_failed(self, handle: RequestHandle, why: str,
+                   event: RemoteEvent = RemoteEvent.KV_FAILED) -> None:
+        """The KV will not arrive: per ``kv_failure_policy``, recompute on D or fail."""
+        if not handle.remote.accepts(event):
             return
-        self._resume_locally(handle, why)
+        if self.routing.kv_failure_policy == "fail":
+            self._end(handle, FAILED, WorkerFailed(why))
+            return
+        self._recompute(handle, event, why)
 
-    def _resume_locally(self, handle: RequestHandle, why: str) -> None:
-        """Policy "recompute": the decode worker prefills itself, after the tokens the
+    def _recompute(self, handle: RequestHandle, event: RemoteEvent, why: str) -> None:
+        """Move to RECOMPUTING: the decode worker prefills itself, after the tokens the
         client already has."""
         remote = handle.remote
-        if remote is None or remote.is_resumed:
+        if remote.fire(event) is not RemoteState.RECOMPUTING:
             return
-        remote.is_resumed = True
         logger.warning("%s: %s; recomputing the prefill on %s", handle.request_id, why,
                        handle.worker_id)
         if remote.prefill_worker_id is not None and remote.first_token_id is None:
@@ -495,33 +457,37 @@ class Router:
         outputs = [] if remote.first_token_id is None else [remote.first_token_id]
         self._send(handle.worker_id, ResumeLocally(handle.request_id, outputs))
 
-    def _retry_elsewhere(self, handle: RequestHandle) -> bool:
-        """Re-place a request whose decode worker died, once; it then runs as a local
-        request on another decode worker, continuing after the tokens the client already
-        has (they are prefilled with the prompt, so nothing is duplicated or lost)."""
-        if handle.is_retried or handle.params is None:
-            return False
-        decode = self.registry.least_loaded("decode")
-        if decode is None:
-            return False
-        remote = handle.remote
-        if remote is not None and remote.prefill_worker_id is not None:
-            pworker = self.registry.workers.get(remote.prefill_worker_id)
-            if pworker is not None:
-                pworker.inflight.discard(handle.request_id)
-                self._send(pworker.worker_id, AbortRequests([handle.request_id]))
-        handle.is_retried = True
-        handle.remote = None
-        handle.worker_id = decode.worker_id
-        decode.inflight.add(handle.request_id)
-        self._count("request_retries")
-        logger.warning("retrying %s on %s", handle.request_id, decode.worker_id)
-        self._send(decode.worker_id, GenerateRequest(
-            handle.request_id, handle.prompt_token_ids, handle.params, time.time(),
-            output_token_ids=list(handle.output_token_ids)))
-        return True
+    # -- worker outputs ----------------------------------------------------------------------
+    def _on_step_outputs(self, msg: StepOutputs, sender: str = "") -> None:
+        self.registry.touch(msg.worker_id)
+        for delta in msg.deltas:
+            handle = self.handles.get(delta.request_id)
+            if handle is None:
+                continue  # ended meanwhile
+            if handle.worker_id != msg.worker_id:
+                self._drop("not_its_request", sender, f"delta for {delta.request_id!r}")
+                continue
+            handle.deliver(delta)
+            if delta.finished:
+                self._end(handle, FINISHED, abort_workers=False)
 
-    # -- socket --------------------------------------------------------------------------
+    def _on_request_failed(self, msg: RequestFailed, _sender: str = "") -> None:
+        handle = self.handles.get(msg.request_id)
+        if handle is not None:
+            self._end(handle, FAILED, RequestRejected(msg.message) if msg.is_client_error
+                      else WorkerFailed(msg.message))
+
+    def _on_heartbeat(self, msg: Heartbeat, _sender: str = "") -> None:
+        if self.registry.heartbeat(msg) is None:
+            self._send(msg.worker_id, ReregisterRequest())
+
+    def _on_register(self, msg: RegisterWorker, _sender: str = "") -> None:
+        self.registry.register(msg)
+        self._send(msg.worker_id, RegisterAck(self.registry.heartbeat_interval_s))
+        logger.info("worker %s (%s, pid %d) registered", msg.worker_id, msg.role, msg.pid)
+        self.worker_registered.set()
+
+    # -- socket ----------------------------------------------------------------------------
     def _send(self, worker_id: str, msg) -> None:
         """Queue ``msg`` for a worker without waiting. A failure (unroutable: the worker is
         gone; or its queue is full) is logged; liveness tracking deals with the worker."""
@@ -559,27 +525,31 @@ class Router:
         except Exception as exc:
             self._drop("malformed", sender, str(exc)[:200])
             return
+        kind = type(msg)
         worker_id = sender.removesuffix("/heartbeat")
         claimed = getattr(msg, "worker_id", None)
-        if isinstance(msg, RegisterWorker) and sender != msg.worker_id:
+        if kind is RegisterWorker and sender != msg.worker_id:
             # replies go to the identity the worker registers: it must be the sender's own
             self._drop("impostor", sender, f"registration as {msg.worker_id!r}")
             return
         if claimed is not None and claimed != worker_id:
-            self._drop("impostor", sender, f"{type(msg).__name__} claims worker {claimed!r}")
+            self._drop("impostor", sender, f"{kind.__name__} claims worker {claimed!r}")
             return
-        if not isinstance(msg, (RegisterWorker, Heartbeat)) and \
-                worker_id not in self.registry.workers:
-            self._drop("unregistered", sender, type(msg).__name__)
+        if kind not in _BEFORE_REGISTRATION and worker_id not in self.registry.workers:
+            self._drop("unregistered", sender, kind.__name__)
             return
         request_id = getattr(msg, "request_id", None)
         if request_id is not None and not self._serves(worker_id, request_id):
-            self._drop("not_its_request", sender, f"{type(msg).__name__} for {request_id!r}")
+            self._drop("not_its_request", sender, f"{kind.__name__} for {request_id!r}")
+            return
+        handler = self._handlers.get(kind)
+        if handler is None:  # decodable but not a worker-to-router message
+            self._drop("malformed", sender, f"unexpected {kind.__name__}")
             return
         try:
-            self._dispatch(msg, worker_id)
+            handler(msg, worker_id)
         except Exception:  # a bad message must not stop the router
-            logger.exception("failed to handle %s", type(msg).__name__)
+            logger.exception("failed to handle %s", kind.__name__)
 
     def _serves(self, worker_id: str, request_id: str) -> bool:
         """Whether ``worker_id`` may report on ``request_id`` (unknown ids pass: the
@@ -591,78 +561,89 @@ class Router:
         return worker_id == handle.worker_id or (
             remote is not None and worker_id == remote.prefill_worker_id)
 
-    def _dispatch(self, msg, sender: str = "") -> None:
-        if isinstance(msg, StepOutputs):
-            self.registry.touch(msg.worker_id)
-            for delta in msg.deltas:
-                handle = self.handles.get(delta.request_id)
-                if handle is None:
-                    continue  # aborted meanwhile
-                if handle.worker_id != msg.worker_id:
-                    self._drop("not_its_request", sender, f"delta for {delta.request_id!r}")
-                    continue
-                handle.deliver(delta)
-                if delta.finished:
-                    self.handles.pop(delta.request_id, None)
-                    self._release(handle, abort=False)
-        elif isinstance(msg, Heartbeat):
-            if self.registry.heartbeat(msg) is None:
-                self._send(msg.worker_id, ReregisterRequest())
-        elif isinstance(msg, PrefillDone):
-            self._on_prefill_done(msg)
-        elif isinstance(msg, KVReserved):
-            self._on_reserved(msg)
-        elif isinstance(msg, KVReserveRefused):
-            self._on_refused(msg)
-        elif isinstance(msg, KVSent):
-            self._on_kv_sent(msg)
-        elif isinstance(msg, KVTransferFailed):
-            self._on_kv_failed(msg)
-        elif isinstance(msg, RequestFailed):
-            handle = self.handles.get(msg.request_id)
-            if handle is not None:
-                exc = (RequestRejected(msg.message) if msg.is_client_error
-                       else WorkerFailed(msg.message))
-                self._fail(handle, exc)
-        elif isinstance(msg, RegisterWorker):
-            self.registry.register(msg)
-            self._send(msg.worker_id, RegisterAck(self.registry.heartbeat_interval_s))
-            logger.info("worker %s (%s, pid %d) registered", msg.worker_id, msg.role, msg.pid)
-            self.worker_registered.set()
-
-    def _expire_queued(self) -> None:
-        """End requests that waited past ``first_token_timeout_s`` without a first token."""
+    # -- deadlines and liveness ------------------------------------------------------------
+    def _check_deadlines(self, now_s: float | None = None) -> None:
+        """End or move on requests past a deadline: the first-token deadline of every
+        request (``first_token_timeout_s``), and the deadline of a remote prefill's
+        current state (:data:`~pdserve.router.remote_prefill.STATE_DEADLINES`)."""
+        now = time.monotonic() if now_s is None else now_s
         limit = self.routing.first_token_timeout_s
-        if not limit:
-            return
-        now = time.monotonic()
         for handle in list(self.handles.values()):
-            if handle.num_deltas == 0 and now - handle.created_s > limit:
+            if limit and handle.num_deltas == 0 and now - handle.created_s > limit:
                 self._count("request_timeouts", "first_token")
-                self._fail(handle, WorkerFailed(
+                self._end(handle, TIMED_OUT, WorkerFailed(
                     f"no first token within {limit:g} s (the server is overloaded); "
                     "retry later"))
+                continue
+            remote = handle.remote
+            deadline = None if remote is None else remote.deadline_s(self.routing)
+            if deadline is None or now <= deadline:
+                continue
+            if remote.state is RemoteState.RESERVING:
+                self._count("request_timeouts", "reserve")
+                self._end(handle, TIMED_OUT, WorkerFailed(
+                    "no decode worker could reserve KV blocks in time; retry later"))
+            elif remote.state is RemoteState.AWAITING_KV:
+                self._count("kv_transfer_failures", "timeout")
+                self._kv_failed(handle, f"no KV within {self.routing.kv_timeout_s:g} s of "
+                                        "the first token")
+            else:  # waiting for the prefill worker's first token
+                self._count("request_timeouts", "first_token")
+                self._end(handle, TIMED_OUT, WorkerFailed(
+                    "the prefill worker produced no first token in time; retry later"))
+
+    def _on_worker_lost(self, worker: WorkerInfo) -> None:
+        """A worker missed its heartbeats: its decodes move to another decode worker (once)
+        or fail; remote prefills it still owed anything go to their decode worker."""
+        self.prefix_indexes.pop(worker.worker_id, None)
+        logger.warning("worker %s (%s) missed its heartbeats; dropping it",
+                       worker.worker_id, worker.info.role)
+        for handle in list(self.handles.values()):
+            remote = handle.remote
+            if handle.worker_id == worker.worker_id:
+                if not self._retry_elsewhere(handle):
+                    self._end(handle, WORKER_LOST, WorkerFailed(
+                        f"worker {worker.worker_id} stopped responding"))
+            elif remote is not None and remote.prefill_worker_id == worker.worker_id \
+                    and remote.accepts(RemoteEvent.PREFILL_WORKER_LOST):
+                self._count("kv_transfer_failures", "prefill_worker_died")
+                self._kv_failed(handle, f"prefill worker {worker.worker_id} died",
+                                RemoteEvent.PREFILL_WORKER_LOST)
+
+    def _retry_elsewhere(self, handle: RequestHandle) -> bool:
+        """Re-place a request whose decode worker died, once; it then runs as a local
+        request on another decode worker, continuing after the tokens the client already
+        has (they are prefilled with the prompt, so nothing is duplicated or lost)."""
+        if handle.is_retried or handle.params is None:
+            return False
+        decode = self.registry.least_loaded("decode")
+        if decode is None:
+            return False
+        remote = handle.remote
+        if remote is not None and remote.prefill_worker_id is not None:
+            pworker = self.registry.workers.get(remote.prefill_worker_id)
+            if pworker is not None:
+                pworker.inflight.discard(handle.request_id)
+                self._send(pworker.worker_id, AbortRequests([handle.request_id]))
+        handle.is_retried = True
+        handle.remote = None
+        handle.worker_id = decode.worker_id
+        decode.inflight.add(handle.request_id)
+        self._count("request_retries")
+        logger.warning("retrying %s on %s", handle.request_id, decode.worker_id)
+        self._send(decode.worker_id, GenerateRequest(
+            handle.request_id, handle.prompt_token_ids, handle.params, time.time(),
+            output_token_ids=list(handle.output_token_ids)))
+        return True
 
     async def _liveness_loop(self) -> None:
         trimmer = IdleTrimmer()
         while True:
             await asyncio.sleep(self.registry.heartbeat_interval_s / 4)
-            self._expire_queued()
+            self._check_deadlines()
             trimmer.tick(bool(self.handles), time.monotonic())
             for worker in self.registry.remove_dead():
-                self.prefix_indexes.pop(worker.worker_id, None)
-                logger.warning("worker %s (%s) missed its heartbeats; dropping it",
-                               worker.worker_id, worker.info.role)
-                for handle in list(self.handles.values()):
-                    remote = handle.remote
-                    if handle.worker_id == worker.worker_id:
-                        if not self._retry_elsewhere(handle):
-                            self._fail(handle, WorkerFailed(
-                                f"worker {worker.worker_id} stopped responding"))
-                    elif (remote is not None and remote.prefill_worker_id == worker.worker_id
-                          and not remote.is_kv_sent):
-                        self._count("kv_transfer_failures", "prefill_worker_died")
-                        self._kv_failed(handle, f"prefill worker {worker.worker_id} died")
+                self._on_worker_lost(worker)
 
 
 def _log_send_failure(fut: asyncio.Future, worker_id: str) -> None:

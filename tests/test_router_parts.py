@@ -1,0 +1,373 @@
+"""The router's parts without workers: the routing policy over an in-memory registry, the
+remote-prefill state machine (every transition, every ignored pair, each state's
+deadline), and the router's handlers driven by encoded worker messages, with what it
+would send recorded instead of sent (its socket is bound on loopback but no worker
+connects)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from pdserve.engine.outputs import RequestDelta
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import (
+    AbortRequests,
+    ExpectRemoteKV,
+    FirstToken,
+    GenerateRequest,
+    Heartbeat,
+    KVReserved,
+    KVReserveRefused,
+    KVSent,
+    KVTransferFailed,
+    MessageCodec,
+    PrefillDone,
+    PrefillRequest,
+    RegisterWorker,
+    ResumeLocally,
+    StepOutputs,
+)
+from pdserve.router.policy import FALLBACK, LOCAL, REMOTE_PREFILL, RouteRequest, ThresholdPolicy
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.registry import WorkerRegistry
+from pdserve.router.remote_prefill import (
+    STATE_DEADLINES,
+    TRANSITIONS,
+    RemoteEvent,
+    RemotePrefill,
+    RemoteState,
+)
+from pdserve.router.router import Router, RoutingConfig, WorkerFailed
+
+BLOCK = 16
+
+
+def register(registry: WorkerRegistry, worker_id: str, role: str = "decode",
+             kv_address: str | None = "tcp://127.0.0.1:1", running: int = 0,
+             draining: bool = False):
+    worker = registry.register(RegisterWorker(
+        worker_id=worker_id, role=role, model_name="m", max_model_len=4096,
+        block_size=BLOCK, num_kv_blocks=256, pid=1, kv_address=kv_address))
+    registry.heartbeat(Heartbeat(worker_id, running, 0, 100, 0.0, draining=draining))
+    return worker
+
+
+class View:
+    """A ClusterView over a registry and per-worker prefix indexes, as the router keeps."""
+
+    def __init__(self) -> None:
+        self.registry = WorkerRegistry()
+        self.indexes: dict[str, PrefixIndex] = {}
+
+    def accepting(self, role: str):
+        return self.registry.accepting(role)
+
+    def num_cached_tokens(self, worker, prompt):
+        index = self.indexes.get(worker.worker_id)
+        return 0 if index is None else index.num_cached_tokens(prompt)
+
+    def cache(self, worker_id: str, prompt: list[int]) -> None:
+        self.indexes.setdefault(worker_id, PrefixIndex(BLOCK, 256)).record(prompt)
+
+
+def prompt(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+# -- policy --------------------------------------------------------------------------------
+def test_threshold_policy_routes_by_uncached_length_and_load():
+    view = View()
+    policy = ThresholdPolicy(prefill_threshold=100)
+    assert policy.route(RouteRequest("r", prompt(10)), view) is None  # no decode worker
+    register(view.registry, "d0", running=3)
+    register(view.registry, "d1", running=1)
+    short = policy.route(RouteRequest("r", prompt(99)), view)
+    assert (short.kind, short.decode.worker_id) == (LOCAL, "d1")  # least loaded
+    # long, but no prefill worker: the decode worker prefills it
+    assert policy.route(RouteRequest("r", prompt(100)), view).kind == FALLBACK
+    register(view.registry, "p0", role="prefill", kv_address=None)
+    long = policy.route(RouteRequest("r", prompt(100)), view)
+    assert (long.kind, long.decode.worker_id) == (REMOTE_PREFILL, "d1")
+    # prompt logprobs are computed where the prompt runs: always local
+    assert policy.route(RouteRequest("r", prompt(500), True), view).kind == LOCAL
+
+
+def test_threshold_policy_counts_only_uncached_tokens_and_prefers_the_holder():
+    view = View()
+    policy = ThresholdPolicy(prefill_threshold=100)
+    register(view.registry, "d0")
+    register(view.registry, "d1")
+    register(view.registry, "p0", role="prefill", kv_address=None)
+    history = prompt(480)
+    view.cache("d1", history)
+    follow_up = history + prompt(60, start=1000)  # 540 tokens, 480 of them on d1
+    route = policy.route(RouteRequest("r", follow_up), view)
+    assert (route.kind, route.decode.worker_id, route.num_cached_tokens) == (LOCAL, "d1", 480)
+    # a worker without a KV address cannot receive pushed KV: fall back
+    register(view.registry, "d1", kv_address=None)
+    view.indexes.clear()
+    assert policy.route(RouteRequest("r", prompt(300)), view).kind in (REMOTE_PREFILL,
+                                                                       FALLBACK)
+
+
+def test_threshold_policy_skips_draining_workers_and_checks_its_threshold():
+    view = View()
+    register(view.registry, "d0", draining=True)
+    assert ThresholdPolicy().route(RouteRequest("r", prompt(5)), view) is None
+    register(view.registry, "d1")
+    assert ThresholdPolicy().route(RouteRequest("r", prompt(5)), view).decode.worker_id == "d1"
+    with pytest.raises(ValueError, match="prefill_threshold"):
+        ThresholdPolicy(prefill_threshold=0)
+
+
+# -- state machine -------------------------------------------------------------------------
+def machine(state: RemoteState, now: float = 100.0) -> RemotePrefill:
+    return RemotePrefill([1, 2, 3], SamplingParams(), state=state, entered_s=now)
+
+
+@pytest.mark.parametrize("state,event", list(itertools.product(RemoteState, RemoteEvent)))
+def test_every_state_event_pair_moves_by_the_table_or_changes_nothing(state, event):
+    remote = machine(state)
+    expected = TRANSITIONS.get((state, event))
+    assert remote.accepts(event) == (expected is not None)
+    assert remote.fire(event, now_s=200.0) is expected
+    assert remote.state is (state if expected is None else expected)
+    # entering a new state restarts its deadline; staying (or ignoring) keeps it
+    assert remote.entered_s == (200.0 if expected not in (None, state) else 100.0)
+
+
+def test_the_handshake_paths_reach_hand_off_or_recompute():
+    for events in ([RemoteEvent.RESERVED, RemoteEvent.FIRST_TOKEN, RemoteEvent.KV_SENT],
+                   [RemoteEvent.RESERVED, RemoteEvent.KV_SENT, RemoteEvent.FIRST_TOKEN]):
+        remote = machine(RemoteState.RESERVING)
+        for event in events:
+            assert remote.fire(event) is not None
+        assert remote.state is RemoteState.HANDED_OFF
+        assert remote.fire(RemoteEvent.PREFILL_WORKER_LOST) is None  # P no longer matters
+        assert remote.fire(RemoteEvent.KV_FAILED) is RemoteState.RECOMPUTING  # D's report
+    # once recomputing, P's late messages change nothing
+    remote = machine(RemoteState.RECOMPUTING)
+    for event in RemoteEvent:
+        assert remote.fire(event) is None
+    # every state is reachable from RESERVING
+    reachable, frontier = {RemoteState.RESERVING}, [RemoteState.RESERVING]
+    while frontier:
+        state = frontier.pop()
+        for (src, _), dst in TRANSITIONS.items():
+            if src is state and dst not in reachable:
+                reachable.add(dst)
+                frontier.append(dst)
+    assert reachable == set(RemoteState)
+
+
+def test_each_state_has_its_deadline_from_the_routing_config():
+    cfg = RoutingConfig(reserve_timeout_s=5, first_token_timeout_s=30, kv_timeout_s=7)
+    assert set(STATE_DEADLINES) == set(RemoteState)
+    expected = {RemoteState.RESERVING: 105.0, RemoteState.PREFILLING: 130.0,
+                RemoteState.AWAITING_FIRST_TOKEN: 130.0, RemoteState.AWAITING_KV: 107.0,
+                RemoteState.HANDED_OFF: None, RemoteState.RECOMPUTING: None}
+    for state, deadline in expected.items():
+        assert machine(state).deadline_s(cfg) == deadline
+    no_limit = RoutingConfig(first_token_timeout_s=0)
+    assert machine(RemoteState.PREFILLING).deadline_s(no_limit) is None
+
+
+# -- the router's handlers -----------------------------------------------------------------
+class Harness:
+    """A Router whose outgoing messages are recorded; workers speak through encoded
+    frames (the same path as the socket loop)."""
+
+    def __init__(self, **routing) -> None:
+        self.router = Router("tcp://127.0.0.1:0", RoutingConfig(prefill_threshold=64,
+                                                                **routing))
+        self.sent: list[tuple[str, object]] = []
+        self.router._send = lambda wid, msg: self.sent.append((wid, msg))
+        self.codec = MessageCodec()
+        for wid, role in (("d0", "decode"), ("p0", "prefill")):
+            self.recv(wid, RegisterWorker(
+                worker_id=wid, role=role, model_name="m", max_model_len=4096,
+                block_size=BLOCK, num_kv_blocks=256, pid=1,
+                kv_address="tcp://127.0.0.1:1" if role == "decode" else None))
+            self.recv(wid, Heartbeat(wid, 0, 0, 100, 0.0))
+        self.sent.clear()
+
+    def recv(self, sender: str, msg) -> None:
+        self.router._on_frames([sender.encode(), self.codec.encode(msg)])
+
+    def take(self) -> list[tuple[str, str]]:
+        out = [(wid, type(msg).__name__) for wid, msg in self.sent]
+        self.sent.clear()
+        return out
+
+    def close(self) -> None:
+        self.router.sock.close(0)
+        self.router.ctx.term()
+
+
+@pytest.fixture
+def harness():
+    h = Harness()
+    yield h
+    h.close()
+
+
+def delta(rid: str, tokens: list[int], finished: bool = False) -> RequestDelta:
+    return RequestDelta(request_id=rid, new_token_ids=tokens,
+                        finish_reason="length" if finished else None)
+
+
+def start_remote(h: Harness, rid: str = "r1"):
+    start = 1000 * (len(h.router.handles) + sum(map(ord, rid)))  # a prompt of its own
+    handle = h.router.add_request(rid, prompt(100, start), SamplingParams(max_tokens=4))
+    assert handle.route == REMOTE_PREFILL and h.take() == [("d0", "ExpectRemoteKV")]
+    return handle
+
+
+def drain(handle) -> list:
+    out = []
+    while not handle.queue.empty():
+        out.append(handle.queue.get_nowait())
+    return out
+
+
+def test_local_request_streams_and_ends_without_aborts(harness):
+    handle = harness.router.add_request("r0", prompt(10), SamplingParams(max_tokens=2))
+    assert handle.route == LOCAL and harness.take() == [("d0", "GenerateRequest")]
+    harness.recv("d0", StepOutputs("d0", [delta("r0", [5])]))
+    harness.recv("d0", StepOutputs("d0", [delta("r0", [6], finished=True)]))
+    assert [d.new_token_ids for d in drain(handle)] == [[5], [6]]
+    assert "r0" not in harness.router.handles and harness.take() == []
+    assert not harness.router.registry.workers["d0"].inflight
+
+
+def test_remote_prefill_happy_path_in_both_orders(harness):
+    for rid, kv_first in (("a", False), ("b", True)):
+        handle = start_remote(harness, rid)
+        remote = handle.remote
+        harness.recv("d0", KVReserved(rid, 0))
+        assert remote.state is RemoteState.PREFILLING
+        assert harness.take() == [("p0", "PrefillRequest")]
+        steps = [lambda: harness.recv("p0", KVSent("p0", rid, 1000, 0.01)),
+                 lambda: harness.recv("p0", PrefillDone("p0", delta(rid, [7]), 0.1))]
+        for step in (reversed(steps) if not kv_first else steps):
+            step()
+        assert remote.state is RemoteState.HANDED_OFF
+        assert harness.take() == [("d0", "FirstToken")]
+        harness.recv("d0", StepOutputs("d0", [delta(rid, [8], finished=True)]))
+        assert [d.new_token_ids for d in drain(handle)] == [[7], [8]]
+        assert rid not in harness.router.handles and harness.take() == []
+
+
+def test_first_token_that_ends_the_request_releases_the_reservation(harness):
+    handle = start_remote(harness)
+    harness.recv("d0", KVReserved("r1", 0))
+    harness.take()
+    harness.recv("p0", PrefillDone("p0", delta("r1", [7], finished=True), 0.1))
+    assert [d.new_token_ids for d in drain(handle)] == [[7]]
+    assert harness.take() == [("d0", "AbortRequests")]  # P owes nothing more
+
+
+def test_kv_failure_recomputes_after_the_first_token_and_ignores_late_messages(harness):
+    handle = start_remote(harness)
+    harness.recv("d0", KVReserved("r1", 0))
+    harness.recv("p0", PrefillDone("p0", delta("r1", [7]), 0.1))
+    harness.take()
+    harness.recv("d0", KVTransferFailed("d0", "r1", "checksum"))
+    assert handle.remote.state is RemoteState.RECOMPUTING
+    (wid, msg), = harness.sent
+    assert wid == "d0" and isinstance(msg, ResumeLocally) and msg.output_token_ids == [7]
+    harness.take()
+    harness.recv("p0", KVSent("p0", "r1", 1000, 0.01))  # late: ignored
+    harness.recv("d0", KVTransferFailed("d0", "r1", "timeout"))
+    assert handle.remote.state is RemoteState.RECOMPUTING and harness.take() == []
+
+
+def test_kv_failure_under_the_fail_policy_ends_the_request():
+    h = Harness(kv_failure_policy="fail")
+    try:
+        handle = start_remote(h)
+        h.recv("d0", KVReserved("r1", 0))
+        h.take()
+        h.recv("p0", KVSent("p0", "r1", 0, 0.01, error="connection refused"))
+        (exc,) = drain(handle)
+        assert isinstance(exc, WorkerFailed) and "connection refused" in str(exc)
+        # P still owed the first token: both workers are told to drop it
+        assert sorted(h.take()) == [("d0", "AbortRequests"), ("p0", "AbortRequests")]
+    finally:
+        h.close()
+
+
+def test_prefill_worker_lost_recomputes_even_when_its_kv_already_arrived(harness):
+    handle = start_remote(harness)
+    harness.recv("d0", KVReserved("r1", 0))
+    harness.recv("p0", KVSent("p0", "r1", 1000, 0.01))
+    assert handle.remote.state is RemoteState.AWAITING_FIRST_TOKEN
+    harness.take()
+    harness.router._on_worker_lost(harness.router.registry.workers.pop("p0"))
+    assert handle.remote.state is RemoteState.RECOMPUTING
+    assert harness.take() == [("p0", "AbortRequests"), ("d0", "ResumeLocally")]
+
+
+def test_reservation_refused_for_capacity_retries_until_its_deadline():
+    async def scenario():
+        h = Harness(reserve_timeout_s=0.3)
+        try:
+            handle = start_remote(h)
+            h.recv("d0", KVReserveRefused("r1", "full", is_capacity=True))
+            await asyncio.sleep(0.15)
+            assert h.take() == [("d0", "ExpectRemoteKV")]  # asked again
+            await asyncio.sleep(0.2)  # past the deadline of the state (entered once)
+            h.recv("d0", KVReserveRefused("r1", "full", is_capacity=True))
+            await asyncio.sleep(0.1)
+            (exc,) = drain(handle)
+            assert isinstance(exc, WorkerFailed) and "reserve" in str(exc)
+            assert "r1" not in h.router.handles
+        finally:
+            h.close()
+    asyncio.run(scenario())
+
+
+def test_state_deadlines_end_or_recompute(harness):
+    handle = start_remote(harness, "slow-reserve")
+    now = time.monotonic()
+    harness.router._check_deadlines(now + harness.router.routing.reserve_timeout_s + 1)
+    (exc,) = drain(handle)
+    assert isinstance(exc, WorkerFailed) and "reserve" in str(exc)
+    harness.take()
+    handle = start_remote(harness, "slow-kv")
+    harness.recv("d0", KVReserved("slow-kv", 0))
+    harness.recv("p0", PrefillDone("p0", delta("slow-kv", [7]), 0.1))
+    harness.take()
+    harness.router._check_deadlines(time.monotonic() + harness.router.routing.kv_timeout_s + 1)
+    assert handle.remote.state is RemoteState.RECOMPUTING
+    assert harness.take() == [("d0", "ResumeLocally")]
+
+
+def test_abort_and_messages_about_others_requests(harness):
+    handle = start_remote(harness)
+    harness.recv("d0", KVReserved("r1", 0))
+    harness.take()
+    # a decode worker that does not serve r1 cannot speak for it
+    harness.recv("d1", RegisterWorker(worker_id="d1", role="decode", model_name="m",
+                                      max_model_len=4096, block_size=BLOCK,
+                                      num_kv_blocks=256, pid=1))
+    harness.take()
+    harness.recv("d1", StepOutputs("d1", [delta("r1", [9], finished=True)]))
+    assert "r1" in harness.router.handles and drain(handle) == []
+    harness.router.abort("r1")
+    assert sorted(harness.take()) == [("d0", "AbortRequests"), ("p0", "AbortRequests")]
+    harness.router.abort("r1")  # twice: nothing more
+    assert harness.take() == [] and drain(handle) == []
+
+
+def test_messages_the_router_never_receives_are_dropped(harness):
+    harness.recv("d0", GenerateRequest("x", [1], SamplingParams(), 0.0))
+    harness.recv("d0", ExpectRemoteKV("x", [1], SamplingParams(), 0.0))
+    harness.recv("d0", FirstToken("x", 1))
+    harness.recv("d0", PrefillRequest("x", [1], SamplingParams(), 0.0, "d0", "tcp://x:1"))
+    harness.recv("d0", AbortRequests(["x"]))
+    assert harness.take() == [] and harness.router.is_healthy is False  # never started
