@@ -63,14 +63,14 @@ def held_out_features(cfg, model_path: Path, log=print) -> tuple[list, int]:
     """The held-out sequences' target features (text prompts first) and the text count,
     cached by what determines them."""
     from pdserve.engine.loader.default_model import default_cache_dir
-    from pdserve.engine.spec_decode.eagle_data import (PromptSpec, data_cache_key,
+    from pdserve.offline.eagle.data import (PromptSpec, data_cache_key,
                                                        generate_answers,
                                                        generate_self_written_prompts,
                                                        load_prompt_specs, self_written_specs)
-    from pdserve.engine.spec_decode.eagle_features import (TargetFeatures,
+    from pdserve.offline.eagle.features import (TargetFeatures,
                                                            compute_target_features,
                                                            load_target_model)
-    from pdserve.engine.spec_decode.train_eagle import (DATA_DTYPES, cached_requests,
+    from pdserve.offline.eagle.train import (DATA_DTYPES, cached_requests,
                                                         lazy_target_llm, self_written_cache)
 
     specs = [s for s in load_prompt_specs(cfg.data, cfg.num_prompts, cfg.num_held_out,
@@ -113,8 +113,8 @@ def fresh_features(model_path: Path, target) -> dict[str, list]:
     from test_eagle_smollm2_head import FRESH_REQUESTS
 
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.engine.spec_decode.eagle_data import DistillSequence
-    from pdserve.engine.spec_decode.eagle_features import compute_target_features
+    from pdserve.offline.eagle.data import DistillSequence
+    from pdserve.offline.eagle.features import compute_target_features
 
     llm = LLM(str(model_path), dtype="float32", load_progress=False, max_model_len=1024)
     sets = {}
@@ -135,10 +135,10 @@ def main() -> None:
     from pdserve.engine.loader.default_model import resolve_model
     from pdserve.engine.spec_decode.eagle import load_eagle_model
     from pdserve.engine.spec_decode.eagle_proposer import eagle_head_path
-    from pdserve.engine.spec_decode.eagle_acceptance import estimate_acceptance
-    from pdserve.engine.spec_decode.eagle_features import load_target_model
-    from pdserve.engine.spec_decode.eagle_trainer import TrainHyperParams
-    from pdserve.engine.spec_decode.train_eagle import TrainEagleConfig
+    from pdserve.offline.eagle.acceptance import estimate_acceptance
+    from pdserve.offline.eagle.features import load_target_model
+    from pdserve.offline.eagle.trainer import TrainHyperParams
+    from pdserve.offline.eagle.train import TrainEagleConfig
 
     cfg = TrainEagleConfig(model=None, data="builtin", out=Path(tempfile.mkdtemp()),  # unused
                            num_prompts=args.num_prompts, num_held_out=args.num_held_out,

@@ -56,7 +56,7 @@ CODECS = {
 
 
 def load_prompts(tokenizer, num_brown: int) -> list[list[int]]:
-    from pdserve.engine.spec_decode.eagle_data import (fetch_brown_corpus, read_brown_files,
+    from pdserve.offline.eagle.data import (fetch_brown_corpus, read_brown_files,
                                                        split_brown_files)
     from test_disaggregated_e2e import long_prompt
 

@@ -77,7 +77,7 @@ def prompt_texts(prompt_set: str) -> list[str]:
     """The user messages of the run (see the module docstring)."""
     if prompt_set == "questions":
         return QUESTIONS
-    from pdserve.engine.spec_decode.eagle_data import load_prompt_specs
+    from pdserve.offline.eagle.data import load_prompt_specs
 
     return [s.text for s in load_prompt_specs("builtin", 1, 16, seed=1) if s.is_held_out]
 

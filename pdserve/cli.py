@@ -131,8 +131,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
 
 
 def _train_eagle(args: argparse.Namespace) -> int:
-    from pdserve.engine.spec_decode.eagle_data import CorpusFetchError
-    from pdserve.engine.spec_decode.train_eagle import (
+    from pdserve.offline.eagle.data import CorpusFetchError
+    from pdserve.offline.eagle.train import (
         TrainEagleConfig,
         TrainHyperParams,
         run_train_eagle,
@@ -471,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.set_defaults(func=_cmd_train_eagle)
 
-    from pdserve.engine.quantization.quantize_cmd import add_quantize_parser
+    from pdserve.offline.quantize.command import add_quantize_parser
 
     add_quantize_parser(sub)
     for p in sub.choices.values():

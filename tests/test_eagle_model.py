@@ -18,8 +18,8 @@ from pdserve.engine.spec_decode.eagle import (
     EagleDraftModel,
     load_eagle_model,
 )
-from pdserve.engine.spec_decode.eagle_features import load_target_model
-from pdserve.engine.spec_decode.packed_attention import PackedCausalAttention
+from pdserve.offline.eagle.features import load_target_model
+from pdserve.offline.eagle.packed_attention import PackedCausalAttention
 
 CPU = torch.device("cpu")
 DRAFT_VOCAB = 64

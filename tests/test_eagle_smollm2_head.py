@@ -32,7 +32,7 @@ def default_model_path():
 
 @pytest.fixture(scope="module")
 def target(default_model_path):
-    from pdserve.engine.spec_decode.eagle_features import load_target_model
+    from pdserve.offline.eagle.features import load_target_model
 
     return load_target_model(default_model_path, 512)  # packed attention: features in one pass
 
@@ -84,9 +84,9 @@ def test_shipped_head_drafts_the_default_models_greedy_answer(default_model_path
     """On fresh chat requests, chained k=4 drafts agree with the target's greedy answers
     (the issue's acceptance figure on held-out prompts, printed)."""
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.engine.spec_decode.eagle_acceptance import estimate_acceptance
-    from pdserve.engine.spec_decode.eagle_data import DistillSequence
-    from pdserve.engine.spec_decode.eagle_features import compute_target_features
+    from pdserve.offline.eagle.acceptance import estimate_acceptance
+    from pdserve.offline.eagle.data import DistillSequence
+    from pdserve.offline.eagle.features import compute_target_features
 
     llm = LLM(str(default_model_path), dtype="float32", load_progress=False,
               max_model_len=512)
@@ -107,7 +107,7 @@ def test_target_writes_its_own_chat_requests(default_model_path):
     """Magpie-style prompts: the user-turn prefix of SmolLM2's ChatML template, continued by
     the model itself, gives distinct, finished requests, the same for the same seed."""
     from pdserve.engine import LLM
-    from pdserve.engine.spec_decode.eagle_data import (
+    from pdserve.offline.eagle.data import (
         generate_self_written_prompts,
         self_written_specs,
         user_turn_prefix_ids,
@@ -138,7 +138,7 @@ def test_train_eagle_runs_end_to_end_and_caches_each_self_written_round(
     from importlib import resources
 
     from pdserve.cli import main
-    from pdserve.engine.spec_decode.eagle_data import load_sequences
+    from pdserve.offline.eagle.data import load_sequences
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     text = Path(str(resources.files("pdserve.data"))) / "held_text.txt"

@@ -27,7 +27,7 @@ from pdserve.engine.quantization.int_layouts import (
 )
 from pdserve.engine.quantization.int_linear import IntLinear
 from pdserve.engine.quantization.int_weight import IntWeight, quantize_rtn
-from pdserve.engine.quantization.writer import quantization_config
+from pdserve.offline.quantize.writer import quantization_config
 from conftest import build_tiny_checkpoint
 
 GROUP = 32
@@ -160,14 +160,14 @@ def test_dense_methods_quantize_a_dense_checkpoint(tmp_path):
 
 
 def test_brown_tags_are_stripped_into_sentences():
-    from pdserve.engine.quantization.calibration import strip_brown_tags
+    from pdserve.offline.quantize.calibration import strip_brown_tags
 
     raw = "\n\n\tThe/at jury/nn said/vbd ``/`` no/at ''/'' ,/, (/( yes/rb )/) ./.\n\n\tOk/uh ./.\n"
     assert strip_brown_tags(raw).splitlines() == ['The jury said " no ", (yes).', "Ok."]
 
 
 def test_calibration_windows_spread_over_the_text_and_need_enough_tokens():
-    from pdserve.engine.quantization.calibration import calibration_token_windows
+    from pdserve.offline.quantize.calibration import calibration_token_windows
 
     windows = calibration_token_windows(list(range(1000)), num_samples=3, seq_len=100)
     assert [w[0] for w in windows] == [0, 300, 600] and all(len(w) == 100 for w in windows)

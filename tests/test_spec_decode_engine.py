@@ -159,7 +159,7 @@ def eagle_head(qwen3, request, tmp_path_factory):
     """A random-weight EAGLE head in the official layout for the tiny Qwen3."""
     from test_eagle_model import head_hf_config, random_official_tensors, write_head
 
-    from pdserve.engine.spec_decode.eagle_features import load_target_model
+    from pdserve.offline.eagle.features import load_target_model
 
     target = load_target_model(qwen3[0], 256)
     hf = head_hf_config(target, request.param)

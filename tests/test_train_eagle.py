@@ -13,12 +13,12 @@ from pdserve.cli import main
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.spec_decode.eagle import load_eagle_model
-from pdserve.engine.spec_decode.eagle_acceptance import estimate_acceptance
-from pdserve.engine.spec_decode.eagle_data import DistillSequence, detag_sentence
-from pdserve.engine.spec_decode.eagle_features import compute_target_features, load_target_model
-from pdserve.engine.spec_decode.eagle_trainer import TrainHyperParams, train_head
-from pdserve.engine.spec_decode.packed_attention import PackedCausalAttention
-from pdserve.engine.spec_decode.train_eagle import new_head, save_head
+from pdserve.offline.eagle.acceptance import estimate_acceptance
+from pdserve.offline.eagle.data import DistillSequence, detag_sentence
+from pdserve.offline.eagle.features import compute_target_features, load_target_model
+from pdserve.offline.eagle.trainer import TrainHyperParams, train_head
+from pdserve.offline.eagle.packed_attention import PackedCausalAttention
+from pdserve.offline.eagle.train import new_head, save_head
 
 CPU = torch.device("cpu")
 
@@ -99,8 +99,8 @@ def test_saved_head_reloads_with_the_same_outputs(distilled, tmp_path):
 
 def test_head_with_a_frequency_ranked_draft_vocabulary_trains_saves_and_reloads(distilled,
                                                                                tmp_path):
-    from pdserve.engine.spec_decode.eagle_data import DistillSequence as Seq
-    from pdserve.engine.spec_decode.train_eagle import frequent_token_ids
+    from pdserve.offline.eagle.data import DistillSequence as Seq
+    from pdserve.offline.eagle.train import frequent_token_ids
 
     target, data = distilled
     vocab = target.cfg.vocab_size
@@ -130,7 +130,7 @@ def test_head_with_a_frequency_ranked_draft_vocabulary_trains_saves_and_reloads(
 def test_a_narrow_head_widens_without_changing_its_drafts(distilled, tmp_path):
     """--init-from a head with a narrower MLP: same drafts before training (saved weights are
     bf16, so both heads are compared from the same saved file), then the new units learn."""
-    from pdserve.engine.spec_decode.train_eagle import load_init_weights
+    from pdserve.offline.eagle.train import load_init_weights
 
     target, data = distilled
     width = target.cfg.intermediate_size
@@ -167,8 +167,8 @@ def test_eagle3_head_trains_on_fused_features_saves_reloads_and_drafts_losslessl
     """--head-layout eagle3: features are the fused layer inputs (bf16), the head starts from
     the target's norm and LM head rows, learns the target's tokens without feature
     regression, saves under official EAGLE-3 names and serves greedy output unchanged."""
-    from pdserve.engine.spec_decode.eagle_data import DistillSequence as Seq
-    from pdserve.engine.spec_decode.train_eagle import frequent_token_ids
+    from pdserve.offline.eagle.data import DistillSequence as Seq
+    from pdserve.offline.eagle.train import frequent_token_ids
 
     target, data = distilled
     aux = (0, 1, 1)  # the tiny target has 2 layers
@@ -261,7 +261,7 @@ def test_init_head_wider_than_the_asked_width_is_refused_before_any_work(tiny_di
 def test_a_continued_head_keeps_its_width_and_fused_layers_unless_told(tiny_dir, tmp_path):
     """``--init-from`` without ``--head-intermediate-size`` / ``--aux-layers`` trains at the
     init head's MLP width and fuses its layers; other fused layers are refused."""
-    from pdserve.engine.spec_decode.train_eagle import TrainEagleConfig, _check_fits_target
+    from pdserve.offline.eagle.train import TrainEagleConfig, _check_fits_target
 
     target = load_target_model(tiny_dir, 64)
     width = target.cfg.intermediate_size
@@ -354,7 +354,7 @@ def test_cli_refuses_an_out_folder_it_would_spoil_and_data_that_is_not_text(
     target = load_target_model(tiny_dir, 64)
     save_head(new_head(target, "cpu", 64, PackedCausalAttention()), head, {})
     (head / "notes.txt").write_text("a head folder with notes is still a head")
-    from pdserve.engine.spec_decode.train_eagle import TrainEagleConfig
+    from pdserve.offline.eagle.train import TrainEagleConfig
 
     TrainEagleConfig(model=str(tiny_dir), data="builtin", out=head)  # no error
 
@@ -378,7 +378,7 @@ def test_cli_bad_extra_self_written_round_is_refused(tiny_dir, tmp_path, capsys,
 @pytest.mark.parametrize("bad", ["{", '{"a": 1}', "[]", '["ok", 3]', '["ok", ""]',
                                  '["a", "b", "c", "d"]', b"\xff\xfe"])
 def testcached_requests_are_reused_and_a_bad_file_is_written_again(tmp_path, bad):
-    from pdserve.engine.spec_decode.train_eagle import cached_requests
+    from pdserve.offline.eagle.train import cached_requests
 
     answers = tmp_path / "k.self-written.jsonl"
     calls, logged = [], []

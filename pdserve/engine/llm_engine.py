@@ -242,7 +242,7 @@ class LLMEngine:
             return True
         req.status = RequestStatus.RUNNING
         req.first_scheduled_s = time.monotonic()
-        self.scheduler.running.append(req)
+        self.scheduler.add_running(req)
         return True
 
     def resume_locally(self, request_id: str, output_token_ids: list[int]) -> bool:
@@ -302,12 +302,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        streamed = self._stream_kv_layers(sched)
-        try:
-            out = self.runner.execute(sched)
-        finally:
-            if streamed:
-                self.runner.model.model.layer_done_hook = None
+        streamed, layer_done = self._stream_kv_layers(sched)
+        out = self.runner.execute(
+            sched, self.proposer.target_aux_layer_ids if self.proposer is not None else (),
+            layer_done)
         num_accepted = dict(zip(out.request_ids, out.num_accepted_tokens))
         for request_id, items in out.prompt_logprobs.items():
             self.requests[request_id].prompt_logprobs.extend(items)
@@ -365,6 +363,7 @@ class LLMEngine:
             cap = self.config.spec_disable_batch_size
             self.proposer.propose(sched, [s.request for s in sched.scheduled
                                          if s.request.request_id not in finished],
+                                  step_hidden=out.hidden,
                                   allow_drafts=not cap or len(self.scheduler.running) < cap)
         self.spec_stats.maybe_log()
         return deltas
@@ -377,12 +376,12 @@ class LLMEngine:
             return RequestStatus.FINISHED_ABORTED
         return RequestStatus.FINISHED_STOPPED if req.grammar.is_terminated else None
 
-    def _stream_kv_layers(self, sched) -> set[str]:
-        """Hook :attr:`kv_layer_sink` into this step's forward for the ``export_kv``
-        requests whose prefill it completes; returns their ids (empty: no hook)."""
-        model = getattr(self.runner.model, "model", None)
-        if self.kv_layer_sink is None or not hasattr(model, "layer_done_hook"):
-            return set()
+    def _stream_kv_layers(self, sched) -> tuple[set[str], Callable[[int], None] | None]:
+        """The ``layer_done`` callback that hands :attr:`kv_layer_sink` each layer's KV of
+        the ``export_kv`` requests whose prefill this step completes, and their ids
+        (``(set(), None)``: nothing to stream)."""
+        if self.kv_layer_sink is None:
+            return set(), None
         targets = []
         for s in sched.scheduled:
             req = s.request
@@ -391,7 +390,7 @@ class LLMEngine:
                 targets.append((req.request_id, req.block_table[:num_blocks],
                                 req.num_prompt_tokens))
         if not targets:
-            return set()
+            return set(), None
         sink, runner = self.kv_layer_sink, self.runner
 
         def hook(layer: int) -> None:
@@ -402,8 +401,7 @@ class LLMEngine:
                     kv, scales = runner.read_fp8_kv_blocks(block_ids, layer)
                 sink(request_id, layer, kv, scales, num_tokens)
 
-        model.layer_done_hook = hook
-        return {t[0] for t in targets}
+        return {t[0] for t in targets}, hook
 
     def _copy_prompt_kv(self, req: Request) -> torch.Tensor:
         """``[num_layers, 2, num_blocks, block_size, H, D]`` copy of the prompt's blocks."""

@@ -7,7 +7,7 @@ import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -60,6 +60,8 @@ class ModelRunnerOutput:
         prompt_logprobs: for requests that asked for prompt logprobs and prefilled part of
             their prompt this step, the logprobs of the prompt tokens that part predicts, in
             position order (any scheduled request, sampling or not).
+        hidden: the step's target hidden states (or the fused layer outputs the step was
+            asked for), for a drafter that reads them (EAGLE).
     """
 
     request_ids: list[str]
@@ -68,6 +70,7 @@ class ModelRunnerOutput:
     num_draft_tokens: list[int]
     num_accepted_tokens: list[int]
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    hidden: "StepHidden | None" = None
 
 
 #: Prompt rows per LM-head call when computing prompt logprobs (bounds ``[rows, vocab]``).
@@ -76,12 +79,12 @@ PROMPT_LOGPROBS_SLICE = 256
 
 @dataclass
 class StepHidden:
-    """The last step's target hidden states, for drafters that read them (EAGLE).
+    """A step's target hidden states, for drafters that read them (EAGLE).
 
     Attributes:
         features: ``[num_tokens, hidden_size]`` final (normed) hidden states of the step, or
-            with ``ModelRunner.aux_layer_ids`` the fused layer outputs
-            ``[num_tokens, len(aux_layer_ids) * hidden_size]``.
+            with ``aux_layer_ids`` given to :meth:`ModelRunner.execute` the fused layer
+            outputs ``[num_tokens, len(aux_layer_ids) * hidden_size]``.
         query_starts: per scheduled request (schedule order), its first row in ``hidden``.
         num_computed_before: per scheduled request, its computed tokens before the step
             (row ``query_starts[i] + j`` is position ``num_computed_before[i] + j``).
@@ -194,9 +197,6 @@ class ModelRunner:
             0 if self.kv_scales is None else self.kv_scales.numel() * 4)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
-        self.last_step: StepHidden | None = None
-        #: target layers whose outputs the step also returns (set by an EAGLE-3 drafter)
-        self.aux_layer_ids: tuple[int, ...] = ()
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
         self.cuda_graphs = self._capture_cuda_graphs()
@@ -314,10 +314,18 @@ class ModelRunner:
         return max(1, budget // bytes_per_block)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, aux_layer_ids: tuple[int, ...] = (),
+                layer_done: Callable[[int], None] | None = None) -> ModelRunnerOutput:
         """Run one step's forward pass, then sample (plain rows) and verify (draft rows).
 
         The host reads results once per group, at the end (``tolist`` of the token ids).
+
+        Args:
+            sched: the step.
+            aux_layer_ids: target layers whose inputs the output's ``hidden`` carries
+                instead of the final hidden states (what an EAGLE-3 drafter declared).
+            layer_done: called with each layer's index once its K/V is written (a
+                prefill worker streaming KV layer by layer).
         """
         bs = self.block_size
         input_ids: list[int] = []
@@ -364,20 +372,22 @@ class ModelRunner:
             num_decodes=sched.num_decodes, block_size=bs,
         )
         features = None
-        if self.cuda_graphs is not None and not self.aux_layer_ids \
+        if self.cuda_graphs is not None and not aux_layer_ids and layer_done is None \
                 and self.cuda_graphs.can_run(query_lens):
             hidden = self.cuda_graphs.run(input_ids, positions, slots, block_tables, seq_lens)
         else:
             metadata = self.backend.build_metadata(attn_inputs)
-            if self.aux_layer_ids:  # EAGLE-3 fuses several target layers
+            if aux_layer_ids:  # EAGLE-3 fuses several target layers
                 hidden, features = self.model(ids_t, pos_t, self.kv_caches, metadata,
-                                              aux_layer_ids=self.aux_layer_ids)
+                                              aux_layer_ids=aux_layer_ids,
+                                              layer_done=layer_done)
             else:
-                hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)
-        #: kept for the drafter: this step's hidden states, each scheduled request's first
-        #: row in them and its num_computed_tokens before the step
-        self.last_step = StepHidden(hidden if features is None else features, query_starts,
-                                    [s.request.num_computed_tokens for s in sched.scheduled])
+                hidden = self.model(ids_t, pos_t, self.kv_caches, metadata,
+                                    layer_done=layer_done)
+        # for the drafter: this step's hidden states, each scheduled request's first row in
+        # them and its num_computed_tokens before the step
+        step_hidden = StepHidden(hidden if features is None else features, query_starts,
+                                 [s.request.num_computed_tokens for s in sched.scheduled])
         step_masks = masks.result() if masks is not None else None
         prompt_lps = self._prompt_logprobs(hidden, sched.scheduled, query_starts)
         results: dict[str, tuple[list[int], list[TokenLogprob] | None, int, int]] = {}
@@ -394,6 +404,7 @@ class ModelRunner:
             num_draft_tokens=[results[r][2] for r in order],
             num_accepted_tokens=[results[r][3] for r in order],
             prompt_logprobs=prompt_lps,
+            hidden=step_hidden,
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest],

@@ -96,7 +96,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
+        """Queue a request to be prefilled (FCFS)."""
         self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Join a request whose prompt is already computed (its KV arrived from a prefill
+        worker, blocks allocated) to the running batch; it decodes from the next step."""
+        self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

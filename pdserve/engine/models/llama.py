@@ -129,15 +129,16 @@ class LlamaModel(nn.Module):
             self.layer_cls(cfg, rotary, backend) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        #: Called with a layer's index once that layer of a forward has written its K/V
-        #: (set for a step by a prefill worker that streams KV layer by layer); None: off.
-        self.layer_done_hook: Callable[[int], None] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
         attn_metadata: Any, aux_layer_ids: tuple[int, ...] = (),
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``input_ids [num_tokens] int64 -> hidden [num_tokens, hidden_size]``.
+
+        ``layer_done``, when given, is called with each layer's index once that layer has
+        written its K/V (a prefill worker streaming KV layer by layer).
 
         With ``aux_layer_ids`` (EAGLE-3 feature fusion) it also returns ``aux
         [num_tokens, len(aux_layer_ids) * hidden_size]``: for each id ``i``, in the given
@@ -148,20 +149,20 @@ class LlamaModel(nn.Module):
         self.rotary.forget()
         if aux_layer_ids:
             return self._forward_with_aux(input_ids, positions, kv_caches, attn_metadata,
-                                          aux_layer_ids)
+                                          aux_layer_ids, layer_done)
         hidden = self.embed_tokens(input_ids)
         residual = None
-        hook = self.layer_done_hook
         for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
-            if hook is not None:
-                hook(idx)
+            if layer_done is not None:
+                layer_done(idx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def _forward_with_aux(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
         attn_metadata: Any, aux_layer_ids: tuple[int, ...],
+        layer_done: Callable[[int], None] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` that also collects the layer inputs named by ``aux_layer_ids``."""
         hidden = self.embed_tokens(input_ids)
@@ -171,8 +172,8 @@ class LlamaModel(nn.Module):
             if idx in aux_layer_ids:
                 captured[idx] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
-            if self.layer_done_hook is not None:
-                self.layer_done_hook(idx)
+            if layer_done is not None:
+                layer_done(idx)
         hidden, _ = self.norm(hidden, residual)
         missing = [i for i in aux_layer_ids if i not in captured]
         if missing:
@@ -208,13 +209,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
         attn_metadata: Any, aux_layer_ids: tuple[int, ...] = (),
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``input_ids [num_tokens] -> hidden [num_tokens, hidden_size]`` (no logits).
 
-        With ``aux_layer_ids``: ``(hidden, aux [num_tokens, len(ids) * hidden_size])``, see
-        :meth:`LlamaModel.forward`.
+        With ``aux_layer_ids``: ``(hidden, aux [num_tokens, len(ids) * hidden_size])``;
+        ``layer_done``: see :meth:`LlamaModel.forward`.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata, aux_layer_ids)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, aux_layer_ids,
+                          layer_done)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size]`` fp32."""

@@ -2,7 +2,7 @@
 
 Methods live in :mod:`.methods` (one file each) behind the registry of :mod:`.registry`;
 :mod:`.loading` swaps the model's linear layers at load time. ``pdserve quantize`` (AWQ or
-RTN, :mod:`.awq_search`, :mod:`.writer`) writes checkpoints the engine loads.
+RTN, in :mod:`pdserve.offline.quantize`) writes checkpoints the engine loads.
 """
 
 from __future__ import annotations

@@ -56,12 +56,12 @@ class EagleProposer(ModelProposer):
         super().__init__(config, runner, block_manager, max_model_len,
                          model.num_layers, model.num_kv_heads, model.head_dim)
         self.model = model
-        runner.aux_layer_ids = tuple(model.aux_layer_ids)  # eagle3: fused target layers
+        self.target_aux_layer_ids = tuple(model.aux_layer_ids)  # eagle3: fused layers
 
     def _plan_ingest(self, request: Request, sched_index: int | None) -> _Draft | None:
         if sched_index is None:
             return None
-        step = self.runner.last_step
+        step = self.step_hidden
         computed_before = step.num_computed_before[sched_index]
         start = max(request.num_draft_computed, computed_before)
         end = request.num_computed_tokens  # target features exist for [.., end)
@@ -76,7 +76,7 @@ class EagleProposer(ModelProposer):
         return request.num_tokens + num_drafts - 3
 
     def _ingest_hidden(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.model.combine_target_hidden(self.runner.last_step.features[rows])
+        return self.model.combine_target_hidden(self.step_hidden.features[rows])
 
     def _forward(self, input_ids, positions, hidden, metadata) -> torch.Tensor:
         return self.model(input_ids, hidden, positions, self.kv_caches, metadata)

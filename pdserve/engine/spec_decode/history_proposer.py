@@ -20,8 +20,10 @@ class HistoryProposer:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
+        self.target_aux_layer_ids: tuple[int, ...] = ()
 
-    def propose(self, sched, live_requests: list[Request], allow_drafts: bool = True) -> None:
+    def propose(self, sched, live_requests: list[Request], step_hidden=None,
+                allow_drafts: bool = True) -> None:
         """Point-mass drafts (``spec_draft_probs`` None) for every decoding request."""
         if not allow_drafts:
             return

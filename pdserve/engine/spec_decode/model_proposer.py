@@ -79,6 +79,10 @@ class ModelProposer:
             dtype=runner.dtype, device=runner.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        #: target layers whose inputs the drafter reads (EAGLE-3 sets them when built)
+        self.target_aux_layer_ids: tuple[int, ...] = ()
+        #: the hidden states of the step being ingested (set by :meth:`propose`)
+        self.step_hidden = None
 
     # -- hooks -----------------------------------------------------------------------------
     def _plan_ingest(self, request: Request, sched_index: int | None) -> _Draft | None:
@@ -107,9 +111,12 @@ class ModelProposer:
 
     # -- the proposal ----------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, sched, live_requests: list[Request], allow_drafts: bool = True) -> None:
+    def propose(self, sched, live_requests: list[Request], step_hidden=None,
+                allow_drafts: bool = True) -> None:
         """Ingest the step's new tokens and leave drafts on the decoding requests
-        (``allow_drafts`` False: ingest only)."""
+        (``allow_drafts`` False: ingest only); ``step_hidden``: the step's
+        :class:`~pdserve.engine.model_runner.StepHidden` (EAGLE reads it)."""
+        self.step_hidden = step_hidden
         index = {s.request.request_id: i for i, s in enumerate(sched.scheduled)}
         plans: list[_Draft] = []
         for req in live_requests:
@@ -354,8 +361,9 @@ class DraftModelProposer(ModelProposer):
         # K/V of tokens[:-1] is written at positions ingest_end ...
         self._written[draft.request.request_id] = (draft.ingest_end, tokens[:-1])
 
-    def propose(self, sched, live_requests: list[Request], allow_drafts: bool = True) -> None:
+    def propose(self, sched, live_requests: list[Request], step_hidden=None,
+                allow_drafts: bool = True) -> None:
         live = {r.request_id for r in live_requests}
         for request_id in [r for r in self._written if r not in live]:
             del self._written[request_id]  # finished or aborted
-        super().propose(sched, live_requests, allow_drafts)
+        super().propose(sched, live_requests, step_hidden, allow_drafts)

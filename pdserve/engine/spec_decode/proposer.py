@@ -1,7 +1,7 @@
 """What a draft proposer is, which requests it may draft for, and the registry of proposers.
 
 A proposer runs after every engine step (``LLMEngine.step``): it sees the step's scheduled
-requests (and, through the model runner, the step's hidden states) and leaves up to ``k``
+requests and the step's hidden states (returned by the model runner) and leaves up to ``k``
 draft tokens in ``request.spec_token_ids`` (plus ``request.spec_draft_probs`` when the
 drafts were sampled from a distribution). The next step verifies them
 (:mod:`pdserve.engine.spec_decode.rejection_sampler`).
@@ -23,7 +23,7 @@ from pdserve.engine.request import Request
 if TYPE_CHECKING:
     from pdserve.engine.block_manager import BlockManager
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner, StepHidden
     from pdserve.engine.scheduler import SchedulerOutput
 
 
@@ -47,15 +47,24 @@ class TokenProposer(Protocol):
 
 
 class SpecProposer(Protocol):
-    """Leaves drafts on the requests after each engine step."""
+    """Leaves drafts on the requests after each engine step.
+
+    Attributes:
+        target_aux_layer_ids: target layers whose inputs the proposer reads as its features
+            (EAGLE-3), fixed when it is built; empty: the target's final hidden states. The
+            engine asks the model runner for them in every step.
+    """
+
+    target_aux_layer_ids: tuple[int, ...]
 
     def propose(self, sched: "SchedulerOutput", live_requests: list[Request],
-                allow_drafts: bool = True) -> None:
+                step_hidden: "StepHidden | None" = None, allow_drafts: bool = True) -> None:
         """Set ``spec_token_ids`` (and ``spec_draft_probs``) of ``live_requests``.
 
         Args:
             sched: the step that just ran (its requests' state is already updated).
             live_requests: the scheduled requests that did not finish in that step.
+            step_hidden: that step's hidden states (the model runner's output).
             allow_drafts: False: draft nothing this step (a model drafter still ingests
                 the step's tokens into its own cache).
         """

@@ -22,7 +22,7 @@ import torch
 
 from pdserve.engine.attention.base import AttentionInputs
 from pdserve.engine.spec_decode.eagle import EagleDraftModel
-from pdserve.engine.spec_decode.eagle_features import TargetFeatures
+from pdserve.offline.eagle.features import TargetFeatures
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pdserve.engine.spec_decode.eagle import EagleDraftModel
-from pdserve.engine.spec_decode.eagle_features import TargetFeatures
-from pdserve.engine.spec_decode.packed_attention import PackedCausalAttention
+from pdserve.offline.eagle.features import TargetFeatures
+from pdserve.offline.eagle.packed_attention import PackedCausalAttention
 
 
 @dataclass(frozen=True)

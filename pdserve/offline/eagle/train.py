@@ -39,8 +39,8 @@ from pdserve.engine.spec_decode.eagle import (
     default_aux_layer_ids,
     iter_checkpoint,
 )
-from pdserve.engine.spec_decode.eagle_acceptance import AcceptanceEstimate, estimate_acceptance
-from pdserve.engine.spec_decode.eagle_data import (
+from pdserve.offline.eagle.acceptance import AcceptanceEstimate, estimate_acceptance
+from pdserve.offline.eagle.data import (
     REQUEST_OPENERS,
     DistillSequence,
     PromptSpec,
@@ -52,12 +52,12 @@ from pdserve.engine.spec_decode.eagle_data import (
     save_sequences,
     self_written_specs,
 )
-from pdserve.engine.spec_decode.eagle_features import (
+from pdserve.offline.eagle.features import (
     TargetFeatures,
     compute_target_features,
     load_target_model,
 )
-from pdserve.engine.spec_decode.eagle_trainer import TrainHistory, TrainHyperParams, train_head
+from pdserve.offline.eagle.trainer import TrainHistory, TrainHyperParams, train_head
 
 #: Rotary settings copied from the target's config.json into the head's.
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
@@ -83,11 +83,11 @@ class TrainEagleConfig:
             ``default``: the head shipped for the embedded default model), or None for a
             random start.
         self_written_prompts: additional chat prompts the target writes itself (Magpie,
-            see :func:`~.eagle_data.generate_self_written_prompts`); one in eight more is
+            see :func:`~pdserve.offline.eagle.data.generate_self_written_prompts`); one in eight more is
             written for the held-out estimate.
         extra_self_written: further rounds of self-written requests, all for training, as
             ``(count, max_answer_tokens)``: round ``r`` (from 1) samples with seed
-            ``seed + r``, starts the requests with :data:`~.eagle_data.REQUEST_OPENERS`
+            ``seed + r``, starts the requests with :data:`~pdserve.offline.eagle.data.REQUEST_OPENERS`
             in turn, and drops requests that repeat an earlier prompt. Each round is
             cached on its own, answers and target features, so a round appended to an
             earlier recipe is the only one computed (changing ``seed`` or inserting a round
@@ -778,7 +778,7 @@ def run_train_eagle(cfg: TrainEagleConfig, use_tqdm: bool = True, log=print,
         CorpusFetchError: the Brown corpus could not be fetched.
     """
     from pdserve.engine.loader.default_model import resolve_model
-    from pdserve.engine.spec_decode.packed_attention import PackedCausalAttention
+    from pdserve.offline.eagle.packed_attention import PackedCausalAttention
 
     t0 = time.perf_counter()
     _probe_out_folder(Path(cfg.out).expanduser())

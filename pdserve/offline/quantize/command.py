@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.engine.quantization.calibration import (
+from pdserve.offline.quantize.calibration import (
     builtin_calibration_text,
     calibration_token_windows,
 )
 from pdserve.engine.quantization.int_linear import IntLinear
 from pdserve.engine.quantization.int_weight import IntWeight, quantize_rtn
 from pdserve.engine.quantization.loading import is_skipped, shard_sizes
-from pdserve.engine.quantization.writer import (
+from pdserve.offline.quantize.writer import (
     CHECKPOINT_FORMATS,
     collect_tensors,
     quantization_config,
@@ -105,7 +105,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     """
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.quantization.awq_search import apply_awq
+    from pdserve.offline.quantize.awq_search import apply_awq
 
     if args.group_size != -1 and args.group_size <= 0:
         raise ValueError(f"--group-size must be positive or -1, got {args.group_size}")

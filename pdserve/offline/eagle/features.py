@@ -21,8 +21,8 @@ from pdserve.engine.config import ModelArchConfig
 from pdserve.engine.loader.checkpoint import load_checkpoint
 from pdserve.engine.models import get_model_class
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.engine.spec_decode.eagle_data import DistillSequence
-from pdserve.engine.spec_decode.packed_attention import PackedCausalAttention
+from pdserve.offline.eagle.data import DistillSequence
+from pdserve.offline.eagle.packed_attention import PackedCausalAttention
 
 #: Teacher probabilities kept per position.
 TEACHER_TOP_K = 8
