@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.kernels.cpu_gemv import bf16_gemv_module
+
 #: bf16 inputs with at most this many rows (a decode step at batch 1-2) run as a bf16 GEMM
 #: even where the CPU has no native bf16: oneDNN's bf16 GEMV reads half the bytes of the
 #: fp32 weight and, bound by memory, ran SmolLM2's GEMMs in 28 ms against fp32's 57 ms at
@@ -118,7 +120,9 @@ class Fp32GemmLinear(nn.Linear):
 
         bf16 inputs of at most :data:`MAX_BF16_GEMV_ROWS` rows run a bf16 GEMM instead,
         over a bf16 copy of the weight made on the first such call (see the module
-        docstring); it rounds the weight exactly as a bf16 model holds it.
+        docstring); it rounds the weight exactly as a bf16 model holds it. That GEMM is
+        the AVX2 kernel of :mod:`pdserve.engine.kernels.cpu_gemv` where it is built, else
+        oneDNN's (``F.linear``).
         """
         if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_BF16_GEMV_ROWS:
             copies = self.__dict__.get("_weight_bf16")
@@ -126,7 +130,11 @@ class Fp32GemmLinear(nn.Linear):
                 copies = self.__dict__["_weight_bf16"] = (
                     self.weight.to(torch.bfloat16),
                     None if self.bias is None else self.bias.to(torch.bfloat16))
-            return F.linear(x, *copies)
+            kernel = bf16_gemv_module()
+            if kernel is None:
+                return F.linear(x, *copies)
+            y = kernel.gemv(copies[0], x.float().contiguous())
+            return (y if copies[1] is None else y.add_(copies[1])).to(x.dtype)
         return cpu_linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
@@ -141,6 +149,8 @@ def swap_to_fp32_gemm(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by :class:`Fp32GemmLinear`; returns the count."""
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and not isinstance(mod, Fp32GemmLinear)]
+    if any(mod.weight.dtype == torch.bfloat16 for _, mod in targets):
+        bf16_gemv_module()  # build (once per machine) or load the decode GEMV kernel now
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
