@@ -67,6 +67,8 @@ def main() -> int:
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated subset of {', '.join(CONFIGS)}")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--extra", default="", help="more `pdserve serve` flags for every "
+                   "configuration, space-separated (e.g. --no-enable-prefix-caching)")
     args = p.parse_args()
     names = [n for n in args.configs.split(",") if n]
     unknown = sorted(set(names) - set(CONFIGS))
@@ -75,7 +77,8 @@ def main() -> int:
     results = {}
     for name in names:
         start = time.monotonic()
-        results[name] = run_config(*CONFIGS[name], args.max_tokens)
+        colocated, flags = CONFIGS[name]
+        results[name] = run_config(colocated, (*flags, *args.extra.split()), args.max_tokens)
         print(f"{name}: {len(results[name])} outputs in {time.monotonic() - start:.0f} s",
               flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -1,6 +1,6 @@
 """bf16-weight GEMV for x86 CPUs with AVX2/FMA but no native bf16 (a C++ extension).
 
-A decode step at batch 1-2 multiplies every weight by one or two rows, so it is bound by
+A decode step at small batch multiplies every weight by a few rows, so it is bound by
 streaming the weights from memory. On CPUs without AVX512-BF16/AMX, oneDNN's bf16 GEMM
 (``F.linear`` on bf16) converts and multiplies at ~18 GB/s on a 2-core AVX2 EPYC, well
 under the memory's ~34 GB/s (``bench/cpu_gemm.py``), and SmolLM2-135M's GEMMs took 16.5 of
@@ -33,7 +33,10 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-// y[m, n] = sum_k x[m, k] * w[n, k]; w bf16 [N, K] contiguous, x fp32 [M, K], M in {1, 2}.
+// y[m, n] = sum_k x[m, k] * w[n, k]; w bf16 [N, K] contiguous, x fp32 [M, K], 1 <= M <= 8.
+// Rows go in pairs over each weight row (the row stays in L1 between pairs); every output
+// is summed in the same order whatever M is, so a row's result does not depend on the
+// rows beside it (plain decoding and speculative verification agree bit for bit).
 static inline __m256 load_bf16x8(const uint16_t* p) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -60,7 +63,7 @@ torch::Tensor gemv(torch::Tensor w, torch::Tensor x) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
                 "x must be a contiguous 2-D fp32 tensor");
     const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-    TORCH_CHECK(x.size(1) == K && (M == 1 || M == 2), "x must be [1 or 2, K]");
+    TORCH_CHECK(x.size(1) == K && M >= 1 && M <= 8, "x must be [1 to 8, K]");
     auto y = torch::empty({M, N}, x.options());
     const uint16_t* W = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     const float* X = x.data_ptr<float>();
@@ -148,17 +151,24 @@ def _build():
 
 def bf16_gemv_module():
     """The built extension (building it on first use), or None where it is unavailable."""
+    if "module" in _state:  # the hot path: no lock once decided
+        return _state["module"]
     with _lock:
         if "module" not in _state:
             _state["module"] = _build()
         return _state["module"]
 
 
+#: Most rows one kernel call takes (a decode step at batch 1-2, or one request's speculative
+#: verification of up to 7 drafts).
+MAX_GEMV_ROWS = 8
+
+
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` for 1-2 rows with a bf16 weight, fp32 accumulation.
+    """``x @ weight^T`` for 1-8 rows with a bf16 weight, fp32 accumulation.
 
     Args:
-        x: ``[M, K]``, ``M`` in {1, 2}, any float dtype (computed in fp32).
+        x: ``[M, K]``, ``1 <= M <=`` :data:`MAX_GEMV_ROWS`, any float dtype (computed in fp32).
         weight: ``[N, K]`` bf16, contiguous.
 
     Returns:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels.cpu_gemv import bf16_gemv_module
+from pdserve.engine.kernels.cpu_gemv import MAX_GEMV_ROWS, bf16_gemv_module
 
 #: bf16 inputs with at most this many rows (a decode step at batch 1-2) run as a bf16 GEMM
 #: even where the CPU has no native bf16: oneDNN's bf16 GEMV reads half the bytes of the
@@ -121,16 +121,18 @@ class Fp32GemmLinear(nn.Linear):
         bf16 inputs of at most :data:`MAX_BF16_GEMV_ROWS` rows run a bf16 GEMM instead,
         over a bf16 copy of the weight made on the first such call (see the module
         docstring); it rounds the weight exactly as a bf16 model holds it. That GEMM is
-        the AVX2 kernel of :mod:`pdserve.engine.kernels.cpu_gemv` where it is built, else
-        oneDNN's (``F.linear``).
+        the AVX2 kernel of :mod:`pdserve.engine.kernels.cpu_gemv` where it is built (up to
+        its :data:`~pdserve.engine.kernels.cpu_gemv.MAX_GEMV_ROWS` rows: decode batches and
+        speculative verification), else oneDNN's (``F.linear``, up to 2 rows).
         """
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_BF16_GEMV_ROWS:
+        kernel = bf16_gemv_module() if x.dtype == torch.bfloat16 else None
+        max_rows = MAX_GEMV_ROWS if kernel is not None else MAX_BF16_GEMV_ROWS
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= max_rows:
             copies = self.__dict__.get("_weight_bf16")
             if copies is None:  # (weight, bias) in bf16, made once
                 copies = self.__dict__["_weight_bf16"] = (
                     self.weight.to(torch.bfloat16),
                     None if self.bias is None else self.bias.to(torch.bfloat16))
-            kernel = bf16_gemv_module()
             if kernel is None:
                 return F.linear(x, *copies)
             y = kernel.gemv(copies[0], x.float().contiguous())
