@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -138,6 +139,11 @@ def _build():
     build_dir = Path(os.environ.get("PDSERVE_KERNEL_CACHE",
                                     Path.home() / ".cache" / "pdserve" / "kernels")) / digest
     build_dir.mkdir(parents=True, exist_ok=True)
+    # ninja comes with the package (PyPI ninja) next to this interpreter, which is not on
+    # PATH when the venv was not activated (`.venv/bin/pdserve serve`)
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
         return cpp_extension.load_inline(
             name=f"pdserve_cpu_gemv_{digest}", cpp_sources=_SOURCE, functions=["gemv"],
