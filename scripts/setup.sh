@@ -17,6 +17,6 @@ python -m pip install -q ucxx-cu12==0.52.0  # KV transfer over UCX (CPU-only her
 # Convert the default model once into the cache (a float32 HF folder; ~10 s), so every
 # test and `pdserve serve` start from the same fast-loading folder.
 python -m pdserve.cli pull --no-install
-# The AVX2 bf16 decode GEMV kernel (a C++ extension, ~1 min once per machine; skipped on
-# CPUs without AVX2/FMA or without a compiler), built now rather than at a worker's start.
-python -c "from pdserve.engine.kernels.cpu_gemv import bf16_gemv_module as m; print('bf16 GEMV kernel:', 'ready' if m() else 'not available (F.linear)')"
+# The CPU decode kernels (a C++ extension, ~1 min once per machine; skipped on CPUs without
+# AVX2/FMA/F16C or without a compiler), built now rather than at a worker's start.
+python -c "from pdserve.engine.kernels.cpu_decode import cpu_decode_module as m; print('fused decode kernel:', 'ready' if m() else 'not available (eager model)')"

@@ -48,7 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV cache element type (auto: the compute dtype; fp8: e4m3 with "
                         "per-block, per-head scales, half the bytes)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never capture CUDA graphs for decode")
+                   help="run every step through the eager model: no CUDA graphs (CUDA), "
+                        "no fused decode kernel (CPU)")
     s = parser.add_argument_group("speculative decoding (decode workers)")
     s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
                    help="draft-token proposer: n-gram prompt lookup, a smaller draft model, "

@@ -19,6 +19,7 @@ from pdserve.engine.config import (
     EngineConfig,
     ModelArchConfig,
 )
+from pdserve.engine.fused_decode import FusedCpuDecode
 from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
 from pdserve.engine.models import get_model_class
@@ -200,6 +201,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
         self.cuda_graphs = self._capture_cuda_graphs()
+        #: decode steps of few tokens as one fused CPU call (None: the eager model runs)
+        self.fused_decode = (None if config.enforce_eager else FusedCpuDecode.build(
+            self.model, self.kv_cache, self.block_size, self.dtype, self.device))
 
     def _capture_cuda_graphs(self):
         """Decode CUDA graphs (CUDA + Triton backend, unless ``enforce_eager``), else None."""
@@ -375,6 +379,11 @@ class ModelRunner:
         if self.cuda_graphs is not None and not aux_layer_ids and layer_done is None \
                 and self.cuda_graphs.can_run(query_lens):
             hidden = self.cuda_graphs.run(input_ids, positions, slots, block_tables, seq_lens)
+        elif self.fused_decode is not None and self.fused_decode.can_run(len(input_ids),
+                                                                         layer_done):
+            out = self.fused_decode.run(ids_t, pos_t, attn_inputs.slot_mapping, query_lens,
+                                        block_tables, aux_layer_ids)
+            hidden, features = out if aux_layer_ids else (out, None)
         else:
             metadata = self.backend.build_metadata(attn_inputs)
             if aux_layer_ids:  # EAGLE-3 fuses several target layers

@@ -1,0 +1,211 @@
+"""The decode step's forward as one fused CPU call, where the model and the step allow it.
+
+:class:`FusedCpuDecode` is built at load for a Llama-family model (Llama, Qwen2, Qwen3) in
+bf16 on a CPU with AVX2/FMA/F16C and a bf16 KV cache; it hands the decoder stack, weights
+by reference, to the kernel of :mod:`pdserve.engine.kernels.cpu_decode` (which says why it
+exists and what it computes). The model runner asks :meth:`FusedCpuDecode.can_run` each
+step and runs the eager model otherwise: prefills of more than
+:data:`~pdserve.engine.kernels.cpu_decode.MAX_FUSED_TOKENS` tokens, layer-wise KV sends,
+FP8 caches and fp32 models keep the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import gguf
+import torch
+from torch import nn
+
+from pdserve.engine.kernels.cpu_decode import (
+    MAX_FUSED_TOKENS, Segment, bf16_segment, cpu_decode_module, group_to_blocks, int4_segment,
+    int8_segment,
+)
+from pdserve.engine.layers.linear import Fp32GemmLinear
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
+from pdserve.engine.quantization.base import QuantizedLinear
+from pdserve.engine.quantization.gguf_blocks import dequantize_rows, q4_blocks_as_int4
+from pdserve.engine.quantization.gguf_linear import GGUFLinear
+from pdserve.engine.quantization.int_linear import IntLinear, unpack_nibbles
+
+logger = logging.getLogger(__name__)
+
+_Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+
+
+def _gguf_segments(mod: GGUFLinear) -> list[Segment]:
+    """Q4_0/Q4_1 rows as int4 (exact), other GGML types as per-channel int8 (the packed
+    CPU path's choice, :meth:`GGUFLinear.build_cpu_gemms`)."""
+    segs = []
+    for ggml_type, _, packed in mod.segments():
+        if ggml_type in _Q4_TYPES and mod.in_features % 32 == 0:
+            codes, d, offsets = q4_blocks_as_int4(ggml_type, packed, mod.in_features)
+            segs.append(int4_segment(codes, d, offsets - 8.0 * d))
+        else:
+            segs.append(int8_segment(dequantize_rows(ggml_type, packed).float()))
+    return segs
+
+
+def linear_segments(mod: nn.Module) -> list[Segment] | None:
+    """The weight of a linear layer as the fused kernel's segments, or None (unsupported).
+
+    bf16 layers (``nn.Linear`` in bf16, or :class:`Fp32GemmLinear`'s bf16 copy, shared with
+    its eager GEMV path) stay bf16; int4 layers whose groups are multiples of 32 without
+    ``g_idx`` become int4 exactly; other quantized layers become per-channel int8, as their
+    packed CPU GEMMs do (:mod:`pdserve.engine.quantization.cpu_packed`).
+    """
+    if isinstance(mod, Fp32GemmLinear):
+        copies = mod.__dict__.get("_weight_bf16")
+        if copies is None:  # the eager bf16 GEMV path makes and keeps the same copy
+            copies = mod.__dict__["_weight_bf16"] = (
+                mod.weight.to(torch.bfloat16),
+                None if mod.bias is None else mod.bias.to(torch.bfloat16))
+        return [bf16_segment(copies[0])]
+    if type(mod) is nn.Linear:
+        return [bf16_segment(mod.weight)] if mod.weight.dtype == torch.bfloat16 else None
+    if isinstance(mod, GGUFLinear):
+        return _gguf_segments(mod)
+    if isinstance(mod, IntLinear):
+        if (mod.bits == 4 and mod.g_idx is None and mod.group_size % 32 == 0
+                and mod.in_features % mod.group_size == 0):
+            s, z = mod.scales.float(), mod.zeros.float()
+            return [int4_segment(unpack_nibbles(mod.qweight),
+                                 group_to_blocks(s, mod.group_size),
+                                 group_to_blocks(-z * s, mod.group_size))]
+        return [int8_segment(mod.dequantize(torch.float32))]
+    if isinstance(mod, QuantizedLinear):
+        return [int8_segment(mod.dequantize(torch.float32))]
+    return None
+
+
+def _bias(mod: nn.Module) -> torch.Tensor:
+    bias = getattr(mod, "bias", None)
+    return torch.empty(0) if bias is None else bias.detach().to(torch.bfloat16).float()
+
+
+def _norm_weight(norm: nn.Module | None) -> torch.Tensor:
+    """A bf16 RMSNorm's weight as the eager model multiplies by it (bf16 values)."""
+    if norm is None:
+        return torch.empty(0)
+    return norm.weight.detach().to(torch.bfloat16).float()
+
+
+class FusedCpuDecode:
+    """A model's decoder stack in the fused CPU kernel, for steps of few tokens.
+
+    Build with :meth:`build`; the runner calls :meth:`can_run` then :meth:`run`.
+
+    Args:
+        module: the built extension.
+        model: the loaded Llama-family model (weights are referenced, not copied, except
+            where a format is repacked).
+        kv_cache: the runner's whole cache, bf16 ``[layers, 2, blocks, block_size,
+            kv_heads, head_dim]``.
+        block_size: tokens per KV block.
+    """
+
+    def __init__(self, module, model: LlamaForCausalLM, kv_cache: torch.Tensor,
+                 block_size: int) -> None:
+        cfg, inner = model.cfg, model.model
+        rotary: RotaryEmbedding = inner.rotary
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.decoder = module.FusedDecoder(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, float(inner.norm.eps), rotary.cos_cached,
+            rotary.signed_sin_cached, _norm_weight(inner.norm))
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = []
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                segs = linear_segments(lin)
+                if segs is None:
+                    raise ValueError(f"no fused form for {type(lin).__name__}")
+                parts += [segs, _bias(lin)]
+            self.decoder.add_layer(
+                _norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
+                _norm_weight(getattr(attn, "q_norm", None)),
+                _norm_weight(getattr(attn, "k_norm", None)), *parts)
+
+    @classmethod
+    def build(cls, model: nn.Module, kv_cache: torch.Tensor, block_size: int,
+              dtype: torch.dtype, device: torch.device) -> "FusedCpuDecode | None":
+        """The fused decoder for ``model``, or None where it does not apply (logged):
+        not CPU, not bf16 (model and cache), not a Llama-family model with the plain
+        forward, rotary tables that are not the head's, or the kernel cannot be built."""
+        why = _unsupported(model, kv_cache, dtype, device)
+        module = None if why else cpu_decode_module()
+        if why is None and module is None:
+            why = "the fused CPU decode kernel is not available on this machine"
+        if why is not None:
+            logger.info("decode steps run the eager model: %s", why)
+            return None
+        try:
+            fused = cls(module, model, kv_cache, block_size)
+        except (ValueError, RuntimeError) as exc:
+            logger.info("decode steps run the eager model: %s", exc)
+            return None
+        logger.info("decode steps of up to %d tokens run the fused CPU kernel",
+                    MAX_FUSED_TOKENS)
+        return fused
+
+    def can_run(self, num_tokens: int, layer_done: Callable[[int], None] | None) -> bool:
+        """Whether a step of ``num_tokens`` tokens runs fused (no layer-wise callbacks)."""
+        return 0 < num_tokens <= MAX_FUSED_TOKENS and layer_done is None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            query_lens: list[int], block_tables: list[list[int]],
+            aux_layer_ids: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward for one step (what :meth:`LlamaForCausalLM.forward` returns).
+
+        Args:
+            input_ids, positions, slot_mapping: ``[num_tokens]`` int64.
+            query_lens: tokens of each request this step (they sum to ``num_tokens``).
+            block_tables: each request's block ids.
+            aux_layer_ids: as in :meth:`LlamaModel.forward`.
+
+        Returns:
+            ``hidden [num_tokens, hidden_size]`` bf16, or ``(hidden, aux)`` with
+            ``aux_layer_ids``.
+
+        Raises:
+            RuntimeError: a position, slot or context outside the tables (the kernel checks).
+        """
+        width = max(len(bt) for bt in block_tables)
+        tables = torch.zeros((len(block_tables), width), dtype=torch.int64)
+        for i, bt in enumerate(block_tables):
+            tables[i, :len(bt)] = torch.tensor(bt, dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(len(query_lens)),
+                                       torch.tensor(query_lens))
+        embeds = self.model.model.embed_tokens(input_ids)
+        hidden, aux = self.decoder.forward(embeds, positions, slot_mapping, tables, rows,
+                                           self.kv_cache, list(aux_layer_ids))
+        bad = [i for i in aux_layer_ids if not 0 <= i < self.decoder.num_layers()]
+        if bad:
+            raise ValueError(f"aux_layer_ids {bad} are not layers of this model "
+                             f"(0 .. {self.decoder.num_layers() - 1})")
+        return (hidden, aux) if aux_layer_ids else hidden
+
+
+def _unsupported(model: nn.Module, kv_cache: torch.Tensor, dtype: torch.dtype,
+                 device: torch.device) -> str | None:
+    """Why the fused path cannot run this model, or None."""
+    if device.type != "cpu":
+        return "not a CPU device"
+    if dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        return f"compute dtype {dtype} / KV cache {kv_cache.dtype} (the kernel takes bf16)"
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family model"
+    inner = model.model
+    if type(inner).forward is not LlamaModel.forward or not isinstance(inner.rotary,
+                                                                        RotaryEmbedding):
+        return f"{type(inner).__name__} changes the Llama forward"
+    cfg = model.cfg
+    if inner.rotary.cos_cached.shape[1] != cfg.head_dim or cfg.head_dim % 8:
+        return "rotary dimension differs from the head dimension"
+    if any(type(layer.mlp) is not LlamaMLP for layer in inner.layers):
+        return "an MLP other than SwiGLU"
+    return None

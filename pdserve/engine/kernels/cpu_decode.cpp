@@ -1,0 +1,681 @@
+// Fused decode step for Llama-family decoders on x86 CPUs with AVX2/FMA/F16C.
+//
+// One call runs every decoder layer for the tokens of a step (a decode batch, speculative
+// verification rows, a short prefill): RMSNorm, the Q/K/V, output, gate/up and down GEMVs over bf16, int4
+// or int8 weights, rotary, the paged KV store and attention, SiLU-and-mul, the residual
+// stream and the final norm. The Python module (cpu_decode.py) says why and when it runs.
+//
+// Numerics follow the eager bf16 model: every value the eager path holds in bf16 is rounded
+// to bf16 here at the same point (round to nearest even), arithmetic in between is fp32.
+// Int4/int8 weights multiply activations quantized per block of 32 to int8 (symmetric,
+// scale max|x|/127), as GGML's Q4_1 x Q8_1 dot products do; bf16 weights multiply the fp32
+// activations.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QBLOCK = 32;  // activation quantization block (and int4 scale block)
+
+inline float bf16_round(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u) {  // inf and nan keep their class
+        u = (u & 0xffff0000u) | ((u & 0xffffu) ? 0x00400000u : 0u);
+    } else {
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    }
+    float r;
+    std::memcpy(&r, &u, 4);
+    return r;
+}
+
+inline uint16_t bf16_bits(float rounded) {
+    uint32_t u;
+    std::memcpy(&u, &rounded, 4);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline float bf16_value(uint16_t v) {
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline __m256 load_bf16x8(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+inline float f16_value(uint16_t h) { return _cvtsh_ss(h); }
+
+// ---------------------------------------------------------------- activations as int8
+
+struct QuantAct {
+    std::vector<int8_t> q;  // [M, K]
+    std::vector<float> d;   // [M, K / 32] block scale
+    std::vector<float> s;   // [M, K / 32] exact sum of the block's fp32 values
+};
+
+void quantize_act(const float* x, int64_t M, int64_t K, QuantAct& a) {
+    const int64_t nb = K / QBLOCK;
+    a.q.resize(M * K);
+    a.d.resize(M * nb);
+    a.s.resize(M * nb);
+    for (int64_t i = 0; i < M * nb; ++i) {
+        const float* xb = x + i * QBLOCK;
+        float amax = 0.f, sum = 0.f;
+        for (int j = 0; j < QBLOCK; ++j) {
+            amax = std::max(amax, std::fabs(xb[j]));
+            sum += xb[j];
+        }
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        for (int j = 0; j < QBLOCK; ++j) {
+            a.q[i * QBLOCK + j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+        }
+        a.d[i] = d;
+        a.s[i] = sum;
+    }
+}
+
+// ---------------------------------------------------------------- weight segments
+
+enum Kind : int64_t { BF16 = 0, Q4 = 1, Q8 = 2 };
+
+// Rows of one linear layer's weight in one format.
+//   BF16: w bf16 [rows, K]
+//   Q4:   w uint8 [rows, K / 2]: in each block of 32 columns, byte j holds column j in its
+//         low nibble and column j + 16 in its high nibble; s fp16 [rows, 2, K / 32] holds
+//         each block's d, then each block's m: w = d * code + m (GGML's Q4_1 form)
+//   Q8:   w int8 [rows, K]; s fp32 [rows]: w = s * code
+struct Segment {
+    int64_t kind;
+    int64_t rows;
+    torch::Tensor w, s;
+};
+
+struct Linear {
+    int64_t N = 0, K = 0;
+    std::vector<Segment> segs;
+    std::vector<float> bias;  // empty: none
+    bool quantized_input = false;
+};
+
+// Dot products of one weight row with rows x0 (and x1): four accumulators over 32 columns
+// at a time, summed as (a0 + a1) + (a2 + a3), then the tail. The same order for every row
+// count, so a token's result does not depend on the tokens beside it (plain decoding and
+// speculative verification agree bit for bit). LoadW gives 8 weights as fp32.
+template <typename LoadW>
+inline void dot_rows(LoadW load_w, const uint16_t* row, int64_t K, const float* x0,
+                     const float* x1, float* s0, float* s1) {
+    const int64_t K32 = K - K % 32;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k < K32; k += 32) {
+        __m256 w0 = load_w(k), w1 = load_w(k + 8), w2 = load_w(k + 16), w3 = load_w(k + 24);
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);
+        a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + k + 8), a1);
+        a2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x0 + k + 16), a2);
+        a3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x0 + k + 24), a3);
+        if (x1) {
+            b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), b0);
+            b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + k + 8), b1);
+            b2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x1 + k + 16), b2);
+            b3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x1 + k + 24), b3);
+        }
+    }
+    *s0 = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    if (x1) *s1 = hsum(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
+    for (; k < K; ++k) {  // the tail, one column at a time in order
+        const float wk = bf16_value(row[k]);
+        *s0 += wk * x0[k];
+        if (x1) *s1 += wk * x1[k];
+    }
+}
+
+void gemv_bf16(const Segment& g, int64_t K, const float* X, int64_t M, float* Y, int64_t ldy) {
+    const uint16_t* W = reinterpret_cast<const uint16_t*>(g.w.data_ptr<at::BFloat16>());
+    at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> wf(M > 2 ? K : 0);  // the row widened once when many rows use it
+        for (int64_t n = begin; n < end; ++n) {
+            const uint16_t* row = W + n * K;
+            if (M > 2) {
+                int64_t k = 0;
+                for (; k + 8 <= K; k += 8) _mm256_storeu_ps(wf.data() + k, load_bf16x8(row + k));
+                for (; k < K; ++k) wf[k] = bf16_value(row[k]);
+            }
+            for (int64_t m = 0; m < M; m += 2) {
+                const float* x0 = X + m * K;
+                const float* x1 = (m + 1 < M) ? x0 + K : nullptr;
+                float s0 = 0.f, s1 = 0.f;
+                if (M > 2) {
+                    const float* w = wf.data();
+                    dot_rows([w](int64_t k) { return _mm256_loadu_ps(w + k); }, row, K, x0, x1, &s0,
+                             &s1);
+                } else {
+                    dot_rows([row](int64_t k) { return load_bf16x8(row + k); }, row, K, x0, x1, &s0,
+                             &s1);
+                }
+                Y[m * ldy + n] = s0;
+                if (x1) Y[(m + 1) * ldy + n] = s1;
+            }
+        }
+    });
+}
+
+// One int4 weight row against MC activation rows (MC a compile-time count, so the
+// accumulators stay in registers): sum over blocks of d * dx * (codes . xq) + m * sum(x).
+// ds: the row's fp16 scales d [nb] then offsets m [nb]; dd: scratch [MC * nb].
+template <int MC>
+inline void q4_row(const uint8_t* row, const uint16_t* ds, int64_t nb, const QuantAct& a,
+                   int64_t m0, float* y, int64_t ldy, float* dd) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* xq = a.q.data() + m0 * nb * QBLOCK;
+    const float* xd = a.d.data() + m0 * nb;
+    const float* xs = a.s.data() + m0 * nb;
+    __m256 acc[MC], mv[MC];
+    float mterm[MC];
+    for (int m = 0; m < MC; ++m) {
+        acc[m] = _mm256_setzero_ps();
+        mv[m] = _mm256_setzero_ps();
+        mterm[m] = 0.f;
+    }
+    int64_t b = 0;  // dd = d * dx per block; mterm = sum of m * sum(x)
+    for (; b + 8 <= nb; b += 8) {
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + b)));
+        const __m256 m8 = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + nb + b)));
+        for (int m = 0; m < MC; ++m) {
+            _mm256_storeu_ps(dd + m * nb + b, _mm256_mul_ps(d8, _mm256_loadu_ps(xd + m * nb + b)));
+            mv[m] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + m * nb + b), mv[m]);
+        }
+    }
+    for (; b < nb; ++b) {
+        const float d = f16_value(ds[b]), mn = f16_value(ds[nb + b]);
+        for (int m = 0; m < MC; ++m) {
+            dd[m * nb + b] = d * xd[m * nb + b];
+            mterm[m] += mn * xs[m * nb + b];
+        }
+    }
+    for (b = 0; b < nb; ++b) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4),
+                                           _mm_and_si128(v, low4));
+        for (int m = 0; m < MC; ++m) {
+            const __m256i x = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(xq + (m * nb + b) * QBLOCK));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(dd + m * nb + b),
+                                     acc[m]);
+        }
+    }
+    for (int m = 0; m < MC; ++m) y[(m0 + m) * ldy] = hsum(acc[m]) + (hsum(mv[m]) + mterm[m]);
+}
+
+// One int8 weight row (per-channel scale s) against MC activation rows.
+template <int MC>
+inline void q8_row(const int8_t* row, float s, int64_t nb, const QuantAct& a, int64_t m0,
+                   float* y, int64_t ldy) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* xq = a.q.data() + m0 * nb * QBLOCK;
+    const float* xd = a.d.data() + m0 * nb;
+    __m256 acc[MC];
+    for (int m = 0; m < MC; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+        const __m256i aw = _mm256_sign_epi8(w, w);  // |w|: maddubs wants unsigned left
+        for (int m = 0; m < MC; ++m) {
+            const __m256i x = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(xq + (m * nb + b) * QBLOCK));
+            const __m256i p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xd[m * nb + b]),
+                                     acc[m]);
+        }
+    }
+    for (int m = 0; m < MC; ++m) y[(m0 + m) * ldy] = hsum(acc[m]) * s;
+}
+
+// Calls row_fn<MC>(m0) for activation rows in chunks of 4, then the rest (1-3).
+template <template <int> class Rows, typename... Args>
+inline void for_row_chunks(int64_t M, Args&&... args) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4) Rows<4>::run(m0, args...);
+    switch (M - m0) {
+        case 3: Rows<3>::run(m0, args...); break;
+        case 2: Rows<2>::run(m0, args...); break;
+        case 1: Rows<1>::run(m0, args...); break;
+        default: break;
+    }
+}
+
+template <int MC>
+struct Q4Rows {
+    static void run(int64_t m0, const uint8_t* row, const uint16_t* ds, int64_t nb,
+                    const QuantAct& a, float* y, int64_t ldy, float* dd) {
+        q4_row<MC>(row, ds, nb, a, m0, y, ldy, dd);
+    }
+};
+
+template <int MC>
+struct Q8Rows {
+    static void run(int64_t m0, const int8_t* row, float s, int64_t nb, const QuantAct& a,
+                    float* y, int64_t ldy) {
+        q8_row<MC>(row, s, nb, a, m0, y, ldy);
+    }
+};
+
+void gemv_q4(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
+    const uint8_t* W = g.w.data_ptr<uint8_t>();
+    const uint16_t* DS = reinterpret_cast<const uint16_t*>(g.s.data_ptr<at::Half>());
+    const int64_t nb = K / QBLOCK;
+    at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> dd(4 * nb);
+        for (int64_t n = begin; n < end; ++n) {
+            for_row_chunks<Q4Rows>(M, W + n * (K / 2), DS + n * nb * 2, nb, a, Y + n, ldy,
+                                   dd.data());
+        }
+    });
+}
+
+void gemv_q8(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
+    const int8_t* W = g.w.data_ptr<int8_t>();
+    const float* S = g.s.data_ptr<float>();
+    const int64_t nb = K / QBLOCK;
+    at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+            for_row_chunks<Q8Rows>(M, W + n * K, S[n], nb, a, Y + n, ldy);
+        }
+    });
+}
+
+// y [M, N] = bf16(x [M, K] @ W^T + bias): the eager layer's bf16 output.
+void linear(const Linear& L, const float* X, int64_t M, float* Y) {
+    QuantAct a;
+    if (L.quantized_input) quantize_act(X, M, L.K, a);
+    int64_t col = 0;
+    for (const Segment& g : L.segs) {
+        float* Yg = Y + col;
+        if (g.kind == BF16) gemv_bf16(g, L.K, X, M, Yg, L.N);
+        else if (g.kind == Q4) gemv_q4(g, L.K, a, M, Yg, L.N);
+        else gemv_q8(g, L.K, a, M, Yg, L.N);
+        col += g.rows;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+        float* y = Y + m * L.N;
+        if (!L.bias.empty()) {
+            for (int64_t n = 0; n < L.N; ++n) y[n] = bf16_round(y[n] + L.bias[n]);
+        } else {
+            for (int64_t n = 0; n < L.N; ++n) y[n] = bf16_round(y[n]);
+        }
+    }
+}
+
+Linear make_linear(const std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor>>& segs,
+                   const torch::Tensor& bias, int64_t K) {
+    Linear L;
+    L.K = K;
+    for (const auto& t : segs) {
+        Segment g{std::get<0>(t), std::get<1>(t).size(0), std::get<1>(t).contiguous(),
+                  std::get<2>(t).contiguous()};
+        if (g.kind == BF16) {
+            TORCH_CHECK(g.w.scalar_type() == torch::kBFloat16 && g.w.size(1) == K,
+                        "bf16 segment must be bf16 [rows, K]");
+        } else if (g.kind == Q4) {
+            TORCH_CHECK(g.w.scalar_type() == torch::kUInt8 && g.w.size(1) == K / 2 &&
+                            g.s.scalar_type() == torch::kHalf && g.s.numel() == g.rows * K / 16,
+                        "int4 segment must be uint8 [rows, K/2] with fp16 [rows, 2, K/32]");
+            L.quantized_input = true;
+        } else {
+            TORCH_CHECK(g.kind == Q8 && g.w.scalar_type() == torch::kInt8 &&
+                            g.w.size(1) == K && g.s.scalar_type() == torch::kFloat32 &&
+                            g.s.numel() == g.rows,
+                        "int8 segment must be int8 [rows, K] with fp32 [rows]");
+            L.quantized_input = true;
+        }
+        L.N += g.rows;
+        L.segs.push_back(g);
+    }
+    TORCH_CHECK(!L.quantized_input || K % QBLOCK == 0, "quantized weights need K % 32 == 0");
+    if (bias.numel()) {
+        TORCH_CHECK(bias.numel() == L.N, "bias must have N elements");
+        auto b = bias.to(torch::kFloat32).contiguous();
+        L.bias.assign(b.data_ptr<float>(), b.data_ptr<float>() + L.N);
+    }
+    return L;
+}
+
+std::vector<float> to_floats(const torch::Tensor& t) {
+    if (!t.numel()) return {};
+    auto f = t.to(torch::kFloat32).contiguous();
+    return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+}
+
+// out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) over rows of width H: eager RMSNorm.
+void rmsnorm(const float* x, const std::vector<float>& w, int64_t rows, int64_t H, float eps,
+             float* out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * H;
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+        for (int64_t i = 0; i < H; ++i) {
+            out[r * H + i] = bf16_round(w[i] * bf16_round(xr[i] * inv));
+        }
+    }
+}
+
+struct Layer {
+    std::vector<float> input_norm, post_norm, q_norm, k_norm;
+    Linear qkv, o, gate_up, down;
+};
+
+}  // namespace
+
+// The model's decoder stack, its weights referenced (not copied) from the torch model.
+class FusedDecoder {
+  public:
+    FusedDecoder(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t intermediate, double eps, torch::Tensor cos, torch::Tensor signed_sin,
+                 torch::Tensor final_norm)
+        : H_(hidden), Hq_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate),
+          eps_(static_cast<float>(eps)), cos_(cos.to(torch::kFloat32).contiguous()),
+          sin_(signed_sin.to(torch::kFloat32).contiguous()), final_norm_(to_floats(final_norm)) {
+        TORCH_CHECK(D_ % 8 == 0 && Hq_ % Hkv_ == 0, "head_dim % 8 and heads % kv heads");
+        TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == D_, "rotary tables must be [pos, D]");
+    }
+
+    using Segs = std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor>>;
+
+    void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor q_norm,
+                   torch::Tensor k_norm, Segs qkv, torch::Tensor qkv_bias, Segs o,
+                   torch::Tensor o_bias, Segs gate_up, torch::Tensor gate_up_bias, Segs down,
+                   torch::Tensor down_bias) {
+        Layer l;
+        l.input_norm = to_floats(input_norm);
+        l.post_norm = to_floats(post_norm);
+        l.q_norm = to_floats(q_norm);
+        l.k_norm = to_floats(k_norm);
+        l.qkv = make_linear(qkv, qkv_bias, H_);
+        l.o = make_linear(o, o_bias, Hq_ * D_);
+        l.gate_up = make_linear(gate_up, gate_up_bias, H_);
+        l.down = make_linear(down, down_bias, I_);
+        TORCH_CHECK(l.qkv.N == (Hq_ + 2 * Hkv_) * D_ && l.o.N == H_ &&
+                        l.gate_up.N == 2 * I_ && l.down.N == H_,
+                    "layer weights do not match the decoder's shape");
+        layers_.push_back(std::move(l));
+    }
+
+    int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+    // embeds bf16 [M, H]; positions, slots, rows int64 [M]; tables int64 [R, max_blocks];
+    // kv_cache bf16 [L, 2, num_blocks, block_size, Hkv, D]. Returns {hidden bf16 [M, H],
+    // aux bf16 [M, len(aux_ids) * H] (empty without aux_ids)}.
+    std::vector<torch::Tensor> forward(torch::Tensor embeds, torch::Tensor positions,
+                                       torch::Tensor slots, torch::Tensor tables,
+                                       torch::Tensor rows, torch::Tensor kv_cache,
+                                       std::vector<int64_t> aux_ids) {
+        const int64_t M = embeds.size(0);
+        TORCH_CHECK(M >= 1 && embeds.size(1) == H_, "embeds must be [tokens, H]");
+        TORCH_CHECK(kv_cache.scalar_type() == torch::kBFloat16 && kv_cache.is_contiguous() &&
+                        kv_cache.dim() == 6 && kv_cache.size(0) == num_layers() &&
+                        kv_cache.size(4) == Hkv_ && kv_cache.size(5) == D_,
+                    "kv_cache must be contiguous bf16 [L, 2, blocks, block_size, Hkv, D]");
+        auto pos = positions.contiguous(), slt = slots.contiguous();
+        auto tab = tables.contiguous(), rws = rows.contiguous();
+        TORCH_CHECK(pos.scalar_type() == torch::kInt64 && slt.scalar_type() == torch::kInt64 &&
+                        tab.scalar_type() == torch::kInt64 && rws.scalar_type() == torch::kInt64,
+                    "positions, slots, tables and rows must be int64");
+        const int64_t* P = pos.data_ptr<int64_t>();
+        for (int64_t t = 0; t < M; ++t) {
+            TORCH_CHECK(P[t] >= 0 && P[t] < cos_.size(0), "position out of the rotary table");
+        }
+        Step st{P, slt.data_ptr<int64_t>(), tab.data_ptr<int64_t>(), rws.data_ptr<int64_t>(),
+                tab.size(1), kv_cache.size(2), kv_cache.size(3),
+                reinterpret_cast<uint16_t*>(kv_cache.data_ptr<at::BFloat16>())};
+
+        auto emb = embeds.to(torch::kFloat32).contiguous();
+        std::vector<float> h(emb.data_ptr<float>(), emb.data_ptr<float>() + M * H_);
+        std::vector<float> res(M * H_), x(M * H_);
+        const int64_t naux = static_cast<int64_t>(aux_ids.size());
+        auto aux = torch::empty({naux ? M : 0, naux * H_}, torch::kBFloat16);
+        for (int64_t l = 0; l < num_layers(); ++l) {
+            for (int64_t j = 0; j < naux; ++j) {
+                if (aux_ids[j] != l) continue;
+                auto* A = reinterpret_cast<uint16_t*>(aux.data_ptr<at::BFloat16>());
+                for (int64_t t = 0; t < M; ++t)
+                    for (int64_t i = 0; i < H_; ++i) {
+                        float v = l == 0 ? h[t * H_ + i] : bf16_round(h[t * H_ + i] + res[t * H_ + i]);
+                        A[t * naux * H_ + j * H_ + i] = bf16_bits(v);
+                    }
+            }
+            if (l == 0) {
+                res = h;
+            } else {
+                for (int64_t i = 0; i < M * H_; ++i) res[i] = bf16_round(h[i] + res[i]);
+            }
+            rmsnorm(res.data(), layers_[l].input_norm, M, H_, eps_, x.data());
+            layer(layers_[l], l, st, M, x, h, res);
+        }
+        for (int64_t i = 0; i < M * H_; ++i) res[i] = bf16_round(h[i] + res[i]);
+        rmsnorm(res.data(), final_norm_, M, H_, eps_, x.data());
+        auto out = torch::empty({M, H_}, torch::kBFloat16);
+        auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+        for (int64_t i = 0; i < M * H_; ++i) O[i] = bf16_bits(x[i]);
+        return {out, aux};
+    }
+
+  private:
+    struct Step {
+        const int64_t *pos, *slots, *tables, *rows;
+        int64_t max_blocks, num_blocks, block_size;
+        uint16_t* kv;
+    };
+
+    // x: the normed input [M, H]; h: out, the layer's MLP output; res: the residual stream
+    // after the attention half (updated in place).
+    void layer(const Layer& ly, int64_t l, const Step& st, int64_t M, const std::vector<float>& x,
+               std::vector<float>& h, std::vector<float>& res) {
+        const int64_t qkv_n = ly.qkv.N, q_size = Hq_ * D_;
+        std::vector<float> qkv(M * qkv_n);
+        linear(ly.qkv, x.data(), M, qkv.data());
+        if (!ly.q_norm.empty()) {  // Qwen3: RMSNorm over each query and key head
+            for (int64_t t = 0; t < M; ++t) {
+                float* r = qkv.data() + t * qkv_n;
+                rmsnorm(r, ly.q_norm, Hq_, D_, eps_, r);
+                rmsnorm(r + q_size, ly.k_norm, Hkv_, D_, eps_, r + q_size);
+            }
+        }
+        rotate(qkv.data(), M, qkv_n, st.pos);
+        store_kv(qkv.data(), M, qkv_n, l, st);
+        std::vector<float> attn(M * q_size);
+        attention(qkv.data(), M, qkv_n, l, st, attn.data());
+        std::vector<float> o(M * H_);
+        linear(ly.o, attn.data(), M, o.data());
+        for (int64_t i = 0; i < M * H_; ++i) res[i] = bf16_round(o[i] + res[i]);
+        std::vector<float> xn(M * H_);
+        rmsnorm(res.data(), ly.post_norm, M, H_, eps_, xn.data());
+        std::vector<float> gu(M * 2 * I_), act(M * I_);
+        linear(ly.gate_up, xn.data(), M, gu.data());
+        for (int64_t t = 0; t < M; ++t) {
+            const float* g = gu.data() + t * 2 * I_;
+            for (int64_t i = 0; i < I_; ++i) {
+                const float s = bf16_round(g[i] / (1.f + std::exp(-g[i])));
+                act[t * I_ + i] = bf16_round(s * g[I_ + i]);
+            }
+        }
+        linear(ly.down, act.data(), M, h.data());
+    }
+
+    // x * cos + roll(x, D/2) * signed_sin per head of the queries and keys, in bf16 steps.
+    void rotate(float* qkv, int64_t M, int64_t ld, const int64_t* pos) const {
+        const float* C = cos_.data_ptr<float>();
+        const float* S = sin_.data_ptr<float>();
+        const int64_t half = D_ / 2;
+        std::vector<float> tmp(D_);
+        for (int64_t t = 0; t < M; ++t) {
+            const float* c = C + pos[t] * D_;
+            const float* s = S + pos[t] * D_;
+            for (int64_t hd = 0; hd < Hq_ + Hkv_; ++hd) {
+                float* v = qkv + t * ld + hd * D_;
+                for (int64_t i = 0; i < D_; ++i) {
+                    const float rolled = v[(i + half) % D_];
+                    tmp[i] = bf16_round(bf16_round(v[i] * bf16_round(c[i])) +
+                                        bf16_round(rolled * bf16_round(s[i])));
+                }
+                std::memcpy(v, tmp.data(), D_ * sizeof(float));
+            }
+        }
+    }
+
+    uint16_t* cache(const Step& st, int64_t l, int64_t kv) const {
+        return st.kv + ((l * 2 + kv) * st.num_blocks * st.block_size) * Hkv_ * D_;
+    }
+
+    void store_kv(const float* qkv, int64_t M, int64_t ld, int64_t l, const Step& st) const {
+        uint16_t *K = cache(st, l, 0), *V = cache(st, l, 1);
+        const int64_t kv_size = Hkv_ * D_, q_size = Hq_ * D_;
+        for (int64_t t = 0; t < M; ++t) {
+            const int64_t slot = st.slots[t];
+            TORCH_CHECK(slot >= 0 && slot < st.num_blocks * st.block_size, "slot out of range");
+            const float* k = qkv + t * ld + q_size;
+            for (int64_t i = 0; i < kv_size; ++i) {
+                K[slot * kv_size + i] = bf16_bits(k[i]);
+                V[slot * kv_size + i] = bf16_bits(k[kv_size + i]);
+            }
+        }
+    }
+
+    // out [M, Hq * D]: softmax(q k^T * scale) v over each token's context (positions 0 ..
+    // pos of its request, read through its block table), fp32, rounded to bf16.
+    void attention(const float* qkv, int64_t M, int64_t ld, int64_t l, const Step& st,
+                   float* out) const {
+        const uint16_t *K = cache(st, l, 0), *V = cache(st, l, 1);
+        const int64_t group = Hq_ / Hkv_, kv_size = Hkv_ * D_, nd = D_ / 8;
+        const float scale = 1.f / std::sqrt(static_cast<float>(D_));
+        at::parallel_for(0, M * Hkv_, 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> scores;
+            std::vector<__m256> acc(group * nd);
+            for (int64_t task = begin; task < end; ++task) {
+                const int64_t t = task / Hkv_, g = task % Hkv_;
+                const int64_t ctx = st.pos[t] + 1;
+                const int64_t* bt = st.tables + st.rows[t] * st.max_blocks;
+                TORCH_CHECK((ctx + st.block_size - 1) / st.block_size <= st.max_blocks,
+                            "context longer than the block table");
+                const float* q = qkv + t * ld + g * group * D_;
+                scores.resize(group * ctx);
+                for (int64_t j = 0; j < ctx; ++j) {
+                    const int64_t slot = bt[j / st.block_size] * st.block_size + j % st.block_size;
+                    const uint16_t* k = K + slot * kv_size + g * D_;
+                    for (int64_t h = 0; h < group; ++h) {
+                        __m256 a = _mm256_setzero_ps();
+                        for (int64_t c = 0; c < nd; ++c)
+                            a = _mm256_fmadd_ps(load_bf16x8(k + 8 * c),
+                                                _mm256_loadu_ps(q + h * D_ + 8 * c), a);
+                        scores[h * ctx + j] = hsum(a) * scale;
+                    }
+                }
+                for (int64_t h = 0; h < group; ++h) {
+                    float* sc = scores.data() + h * ctx;
+                    float mx = sc[0];
+                    for (int64_t j = 1; j < ctx; ++j) mx = std::max(mx, sc[j]);
+                    float sum = 0.f;
+                    for (int64_t j = 0; j < ctx; ++j) {
+                        sc[j] = std::exp(sc[j] - mx);
+                        sum += sc[j];
+                    }
+                    const float inv = 1.f / sum;
+                    for (int64_t j = 0; j < ctx; ++j) sc[j] *= inv;
+                }
+                for (auto& a : acc) a = _mm256_setzero_ps();
+                for (int64_t j = 0; j < ctx; ++j) {
+                    const int64_t slot = bt[j / st.block_size] * st.block_size + j % st.block_size;
+                    const uint16_t* v = V + slot * kv_size + g * D_;
+                    for (int64_t c = 0; c < nd; ++c) {
+                        const __m256 vv = load_bf16x8(v + 8 * c);
+                        for (int64_t h = 0; h < group; ++h)
+                            acc[h * nd + c] = _mm256_fmadd_ps(
+                                _mm256_set1_ps(scores[h * ctx + j]), vv, acc[h * nd + c]);
+                    }
+                }
+                for (int64_t h = 0; h < group; ++h) {
+                    float* o = out + t * Hq_ * D_ + (g * group + h) * D_;
+                    for (int64_t c = 0; c < nd; ++c) _mm256_storeu_ps(o + 8 * c, acc[h * nd + c]);
+                    for (int64_t i = 0; i < D_; ++i) o[i] = bf16_round(o[i]);
+                }
+            }
+        });
+    }
+
+    int64_t H_, Hq_, Hkv_, D_, I_;
+    float eps_;
+    torch::Tensor cos_, sin_;
+    std::vector<float> final_norm_;
+    std::vector<Layer> layers_;
+};
+
+// y [M, N] fp32 = x [M, K] @ W^T for one stand-alone linear (the LM head), bf16-rounded.
+class FusedLinear {
+  public:
+    FusedLinear(FusedDecoder::Segs segs, torch::Tensor bias, int64_t K)
+        : L_(make_linear(segs, bias, K)) {}
+
+    torch::Tensor forward(torch::Tensor x) {
+        TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == L_.K, "x must be [rows, K]");
+        auto xf = x.to(torch::kFloat32).contiguous();
+        auto y = torch::empty({x.size(0), L_.N}, torch::kFloat32);
+        linear(L_, xf.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+        return y;
+    }
+
+  private:
+    Linear L_;
+};
+
+// y [M, N] fp32 = x [M, K] fp32 @ w [N, K] bf16 ^T, fp32 accumulation (no rounding): the
+// eager model's bf16 decode GEMV (pdserve/engine/kernels/cpu_gemv.py), 1 to 8 rows.
+torch::Tensor gemv(torch::Tensor w, torch::Tensor x) {
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2,
+                "w must be a contiguous 2-D bf16 tensor");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
+                "x must be a contiguous 2-D fp32 tensor");
+    const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+    TORCH_CHECK(x.size(1) == K && M >= 1 && M <= 8, "x must be [1 to 8, K]");
+    auto y = torch::empty({M, N}, x.options());
+    Segment g{BF16, N, w, torch::Tensor()};
+    gemv_bf16(g, K, x.data_ptr<float>(), M, y.data_ptr<float>(), N);
+    return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("gemv", &gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
+    pybind11::class_<FusedDecoder>(m, "FusedDecoder")
+        .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
+                            torch::Tensor, torch::Tensor>())
+        .def("add_layer", &FusedDecoder::add_layer)
+        .def("num_layers", &FusedDecoder::num_layers)
+        .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+    pybind11::class_<FusedLinear>(m, "FusedLinear")
+        .def(pybind11::init<FusedDecoder::Segs, torch::Tensor, int64_t>())
+        .def("forward", &FusedLinear::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

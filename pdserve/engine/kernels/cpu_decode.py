@@ -1,0 +1,108 @@
+"""Fused CPU decode step: every decoder layer of a Llama-family model in one C++ call.
+
+Why. At decode time a 135M-parameter model's step on 2 AVX2 cores spent ~11 ms streaming
+the weights through the GEMV kernel and ~25 ms more in the ~900 small torch ops around
+them (norms, rotary, the KV store, attention over a gathered context, SiLU, residual adds,
+dtype casts): each op costs a few microseconds of dispatch and allocation whatever its size
+(measured: ``bench/profile_step.py``, 2-core AMD EPYC, SmolLM2-135M bf16, decode batch 1).
+``torch.compile`` of the whole forward took 74 s to compile and recompiled on every call.
+This kernel (``cpu_decode.cpp``) runs a step's decoder layers for 1-8 tokens (a decode
+batch, or speculative verification rows) in one call, with the weights read once per step.
+
+What it computes. The eager bf16 model's arithmetic (each value the eager path rounds to
+bf16 is rounded here at the same point; see the C++ header), over:
+
+- bf16 weights (dense models; fp32 accumulation, as the eager GEMV kernel);
+- int4 weights in GGML's Q4_1 form, ``w = d * code + m`` per block of 32 columns (GGUF
+  Q4_0/Q4_1 exactly; AWQ/GPTQ/RTN groups that are multiples of 32, ``d = s``,
+  ``m = -z * s``), multiplied with activations quantized per block of 32 to int8
+  (GGML's Q4_1 x Q8_1 scheme: AVX2 ``maddubs`` integer dot products);
+- int8 weights with one scale per output channel (``w = s * code``), int8 activations
+  likewise.
+
+Attention reads each token's context (positions ``0 .. pos`` of its request) through the
+block table from the paged bf16 cache ``[layers, 2, blocks, block_size, kv_heads,
+head_dim]``, after writing this step's K/V at ``slot_mapping``.
+
+Built once per machine (see :mod:`.cpu_build`); needs AVX2, FMA and F16C.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.kernels.cpu_build import build_cpu_extension
+
+#: Most tokens one fused call takes.
+MAX_FUSED_TOKENS = 16
+#: Weight segment kinds (the C++ ``Kind``).
+BF16, INT4, INT8 = 0, 1, 2
+#: Columns per int4 scale block and per activation quantization block.
+BLOCK = 32
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cpu_decode_module():
+    """The built extension (building it on first use), or None where it is unavailable."""
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" not in _state:
+            source = (Path(__file__).with_name("cpu_decode.cpp")).read_text()
+            _state["module"] = build_cpu_extension(
+                "cpu_decode", source, ["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"})
+        return _state["module"]
+
+
+#: One weight segment as the C++ side takes it: ``(kind, w, s)`` (``s`` empty for bf16).
+Segment = tuple[int, torch.Tensor, torch.Tensor]
+
+
+def bf16_segment(weight: torch.Tensor) -> Segment:
+    """``weight [rows, K]`` as a bf16 segment (a view when it already is contiguous bf16)."""
+    return BF16, weight.detach().to(torch.bfloat16).contiguous(), torch.empty(0)
+
+
+def int4_segment(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Segment:
+    """An int4 segment, ``w = d * code + m`` per block of 32 columns.
+
+    Args:
+        codes: ``[rows, K]`` integer codes in 0..15, ``K % 32 == 0``.
+        d, m: ``[rows, K / 32]`` float scale and offset per block.
+
+    Raises:
+        ValueError: ``K`` not a multiple of 32 or shapes that do not match.
+    """
+    rows, k = codes.shape
+    if k % BLOCK or d.shape != (rows, k // BLOCK) or m.shape != d.shape:
+        raise ValueError(f"int4 segment needs codes [rows, K % 32 == 0] and d/m [rows, K/32]; "
+                         f"got {tuple(codes.shape)}, {tuple(d.shape)}, {tuple(m.shape)}")
+    c = codes.to(torch.uint8).reshape(rows, k // BLOCK, BLOCK)
+    packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(rows, k // 2).contiguous()
+    ds = torch.stack((d.float(), m.float()), dim=1).to(torch.float16).contiguous()  # [rows, 2, K/32]
+    return INT4, packed, ds
+
+
+def int8_segment(weight: torch.Tensor) -> Segment:
+    """``weight [rows, K]`` float as per-output-channel symmetric int8 (``scale = max|w_row|
+    / 127``, ``code = round(w / scale)``): half a step of rounding."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-30)
+    codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous()
+    return INT8, codes, scale.contiguous()
+
+
+def group_to_blocks(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-group values ``[rows, K / group_size]`` repeated per block of 32 columns.
+
+    Raises:
+        ValueError: ``group_size`` not a multiple of 32.
+    """
+    if group_size % BLOCK:
+        raise ValueError(f"group size {group_size} is not a multiple of {BLOCK}")
+    return values.repeat_interleave(group_size // BLOCK, dim=1)

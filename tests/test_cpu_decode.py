@@ -1,0 +1,198 @@
+"""The fused CPU decode kernel (pdserve.engine.kernels.cpu_decode, pdserve.engine.fused_decode):
+its GEMVs against double-precision references, its decoder stack against the eager model
+for each tiny architecture, and speculative decoding staying lossless through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.attention import AttentionInputs
+from pdserve.engine.kernels import cpu_decode as cd
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+
+needs_kernel = pytest.mark.skipif(cd.cpu_decode_module() is None,
+                                  reason="no AVX2/FMA/F16C or no C++ toolchain")
+pytestmark = needs_kernel
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization, in torch: int8 codes and a scale per 32."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1), 0)  # fp32, as in C++
+    return torch.round(blocks * inv).double(), (amax / 127.0).double()
+
+
+def _reference(kind: str, x: torch.Tensor, w: torch.Tensor, parts: dict) -> torch.Tensor:
+    """``x @ W^T`` in double, as the kernel defines it for each weight kind."""
+    if kind == "bf16":
+        return x.double() @ w.bfloat16().double().t()
+    q, d = _quantize_rows(x)  # [M, nb, 32], [M, nb, 1]
+    xq = (q * d).reshape(x.shape[0], -1)
+    if kind == "int8":
+        _, codes, scale = parts["seg"]
+        return (xq @ codes.double().t()) * scale.double()
+    codes, dd, mm = parts["codes"], parts["d"], parts["m"]
+    # d * dx * (codes . xq) + m * sum(x) per block: the offset multiplies the exact sum
+    n, k = codes.shape
+    cb = codes.double().reshape(n, k // 32, 32)
+    dots = torch.einsum("mbj,nbj->mnb", q, cb)
+    scaled = dots * d.squeeze(-1)[:, None, :] * dd.double()[None]
+    sums = x.double().reshape(x.shape[0], -1, 32).sum(-1)  # [M, nb]
+    return scaled.sum(-1) + sums @ mm.double().t()
+
+
+def _segment(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[tuple, torch.Tensor, dict]:
+    w = torch.randn(n, k, generator=gen) * 0.1
+    if kind == "bf16":
+        return cd.bf16_segment(w), w, {}
+    if kind == "int8":
+        seg = cd.int8_segment(w)
+        return seg, w, {"seg": seg}
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02).half().float()
+    m = (-8 * d + torch.randn(n, k // 32, generator=gen) * 0.01).half().float()
+    return cd.int4_segment(codes, d, m), w, {"codes": codes, "d": d, "m": m}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_fused_linear_matches_its_definition(kind, rows):
+    """Each weight kind computes what its docstring says (bf16 values rounded at the end),
+    two segments fill their own output columns, the bias is added, and each token's row is
+    bit for bit the one-row call (plain decoding = speculative verification)."""
+    gen = torch.Generator().manual_seed(rows * 7 + len(kind))
+    k = 96
+    seg_a, w_a, parts_a = _segment(kind, 48, k, gen)
+    seg_b, w_b, parts_b = _segment(kind, 32, k, gen)
+    bias = torch.randn(80, generator=gen).bfloat16().float()
+    lin = cd.cpu_decode_module().FusedLinear([seg_a, seg_b], bias, k)
+    x = torch.randn(rows, k, generator=gen).bfloat16().float()
+    y = lin.forward(x)
+    ref = torch.cat([_reference(kind, x, w_a, parts_a), _reference(kind, x, w_b, parts_b)], -1)
+    ref = (ref + bias.double()).float().bfloat16().float()
+    assert y.shape == (rows, 80) and y.dtype == torch.float32
+    # one bf16 step of slack (fp32 accumulation order against double), and for quantized
+    # activations one int8 code: x * 127 / amax can round either way where it is within
+    # an fp32 rounding of a half
+    code = 0.0 if kind == "bf16" else 2 * float(_quantize_rows(x)[1].max()) * float(
+        torch.cat([w_a, w_b]).abs().max() if kind == "int8" else 0.4)
+    torch.testing.assert_close(y, ref, rtol=2**-7, atol=1e-3 + code)
+    for r in range(rows):
+        assert torch.equal(lin.forward(x[r:r + 1]), y[r:r + 1])
+
+
+def test_int4_segment_round_trips_codes_and_scales():
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (16, 64), generator=gen)
+    d, m = torch.rand(16, 2, generator=gen), torch.rand(16, 2, generator=gen)
+    kind, packed, ds = cd.int4_segment(codes, d, m)
+    assert kind == cd.INT4 and packed.shape == (16, 32) and ds.shape == (16, 2, 2)
+    blocks = packed.reshape(16, 2, 16)
+    back = torch.cat((blocks & 0xF, blocks >> 4), dim=-1).reshape(16, 64)
+    assert torch.equal(back.long(), codes)
+    assert torch.equal(ds[:, 0].float(), d.half().float())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cd.group_to_blocks(d, 48)
+    with pytest.raises(ValueError, match="int4 segment"):
+        cd.int4_segment(codes[:, :40], d, m)
+
+
+def test_fused_linear_refuses_bad_shapes():
+    mod = cd.cpu_decode_module()
+    with pytest.raises(RuntimeError, match="bf16 segment"):
+        mod.FusedLinear([cd.bf16_segment(torch.randn(8, 16))], torch.empty(0), 32)
+    lin = mod.FusedLinear([cd.bf16_segment(torch.randn(8, 16))], torch.empty(0), 16)
+    with pytest.raises(RuntimeError, match="x must be"):
+        lin.forward(torch.randn(2, 8))
+
+
+def _step_inputs(runner, query_lens: list[int], seq_lens: list[int],
+                 tables: list[list[int]], gen: torch.Generator):
+    bs = runner.block_size
+    ids, pos, slots = [], [], []
+    for q, s, bt in zip(query_lens, seq_lens, tables):
+        for p in range(s - q, s):
+            ids.append(int(torch.randint(0, 500, (1,), generator=gen)))
+            pos.append(p)
+            slots.append(bt[p // bs] * bs + p % bs)
+    return (torch.tensor(ids), torch.tensor(pos), torch.tensor(slots))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_decoder_matches_the_eager_model(arch, tmp_path):
+    """On a random-weight checkpoint of each family (GQA, q/k/v bias, q/k norm, RoPE
+    scalings), a step of decodes and verification rows over a filled cache gives the eager
+    bf16 model's hidden states, K/V and EAGLE-3 features, within bf16 rounding."""
+    from conftest import build_tiny_checkpoint
+
+    build_tiny_checkpoint(arch, tmp_path)
+    llm = LLM(str(tmp_path), dtype="bfloat16", load_progress=False, block_size=16,
+              num_kv_blocks=12, max_model_len=128)
+    runner = llm.engine.runner
+    fused = runner.fused_decode
+    assert fused is not None
+    gen = torch.Generator().manual_seed(0)
+    # a filled cache: random K/V of the size the model writes (positions < 40)
+    runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).bfloat16())
+    tables = [[3, 4, 5], [7, 1, 9], [2, 6, 8]]
+    query_lens, seq_lens = [1, 1, 4], [17, 40, 33]  # two decodes, one 4-row verification
+    ids, pos, slots = _step_inputs(runner, query_lens, seq_lens, tables, gen)
+    before = runner.kv_cache.clone()
+    hidden, aux = fused.run(ids, pos, slots, query_lens, tables, aux_layer_ids=(0, 1))
+    kv_fused = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    meta = runner.backend.build_metadata(AttentionInputs(
+        slot_mapping=slots, query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
+        num_decodes=2, block_size=16))
+    with torch.no_grad():
+        ref, ref_aux = runner.model(ids, pos, runner.kv_caches, meta, aux_layer_ids=(0, 1))
+    assert hidden.dtype == torch.bfloat16 and hidden.shape == ref.shape
+    torch.testing.assert_close(hidden.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(aux.float(), ref_aux.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kv_fused.float(), runner.kv_cache.float(), rtol=2e-2, atol=2e-2)
+    # the written slots changed, nothing else did
+    changed = (kv_fused != before).flatten(4).any(-1).any(0).any(0)  # [blocks, block_size]
+    written = torch.zeros_like(changed)
+    written.view(-1)[slots] = True
+    assert not (changed & ~written).any()
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        fused.run(ids, pos, slots, query_lens, tables, aux_layer_ids=(5,))
+
+
+def test_fused_path_is_chosen_only_where_it_applies(tmp_path):
+    from conftest import build_tiny_checkpoint
+
+    build_tiny_checkpoint("llama", tmp_path)
+    small = dict(num_kv_blocks=16, max_model_len=128)
+    assert LLM(str(tmp_path), dtype="float32", load_progress=False, **small).engine.runner \
+        .fused_decode is None  # fp32 models keep the eager path (exact against transformers)
+    assert LLM(str(tmp_path), dtype="bfloat16", load_progress=False, **small,
+               enforce_eager=True).engine.runner.fused_decode is None
+    assert LLM(str(tmp_path), dtype="bfloat16", load_progress=False, **small,
+               kv_cache_dtype="fp8").engine.runner.fused_decode is None
+    fused = LLM(str(tmp_path), dtype="bfloat16", load_progress=False, **small).engine.runner.fused_decode
+    assert fused.can_run(cd.MAX_FUSED_TOKENS, None)
+    assert not fused.can_run(cd.MAX_FUSED_TOKENS + 1, None)
+    assert not fused.can_run(1, lambda layer: None)  # layer-wise KV sends stay eager
+
+
+@pytest.mark.parametrize("quantization", [None, "rtn-int4", "rtn-int8"])
+def test_greedy_speculation_stays_lossless_through_the_fused_kernel(quantization):
+    """bf16 SmolLM2 (dense, int4 and int8 weights): n-gram speculative decoding's greedy
+    tokens equal plain decoding's, both run by the fused kernel (its rows are independent,
+    so verifying k drafts computes what k plain steps compute)."""
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+               "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = LLM(None, dtype="bfloat16", load_progress=False, quantization=quantization)
+    assert plain.engine.runner.fused_decode is not None
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    del plain
+    spec = LLM(None, dtype="bfloat16", load_progress=False, quantization=quantization,
+               speculative_method="ngram", num_speculative_tokens=4)
+    got = spec.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert spec.engine.spec_stats.num_accepted_tokens > 0  # drafts were verified and kept
