@@ -117,67 +117,57 @@ struct Linear {
     bool quantized_input = false;
 };
 
-// Dot products of one weight row with rows x0 (and x1): four accumulators over 32 columns
-// at a time, summed as (a0 + a1) + (a2 + a3), then the tail. The same order for every row
-// count, so a token's result does not depend on the tokens beside it (plain decoding and
-// speculative verification agree bit for bit). LoadW gives 8 weights as fp32.
-template <typename LoadW>
-inline void dot_rows(LoadW load_w, const uint16_t* row, int64_t K, const float* x0,
-                     const float* x1, float* s0, float* s1) {
-    const int64_t K32 = K - K % 32;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k < K32; k += 32) {
-        __m256 w0 = load_w(k), w1 = load_w(k + 8), w2 = load_w(k + 16), w3 = load_w(k + 24);
-        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);
-        a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + k + 8), a1);
-        a2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x0 + k + 16), a2);
-        a3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x0 + k + 24), a3);
-        if (x1) {
-            b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), b0);
-            b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + k + 8), b1);
-            b2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x1 + k + 16), b2);
-            b3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x1 + k + 24), b3);
+// A tile of NR bf16 weight rows times MR activation rows: one fp32 accumulator per
+// (weight row, activation row), columns 8 at a time in order, then a horizontal sum and
+// the tail one column at a time. Every output is summed in this order whatever the tile,
+// so a token's result does not depend on the tokens beside it (plain decoding and
+// speculative verification agree bit for bit).
+template <int NR, int MR>
+inline void bf16_tile(const uint16_t* W, int64_t K, const float* X, int64_t n0, int64_t m0,
+                      float* Y, int64_t ldy) {
+    __m256 acc[NR][MR];
+    for (int i = 0; i < NR; ++i)
+        for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_setzero_ps();
+    const int64_t K8 = K - K % 8;
+    for (int64_t k = 0; k < K8; k += 8) {
+        __m256 w[NR];
+        for (int i = 0; i < NR; ++i) w[i] = load_bf16x8(W + (n0 + i) * K + k);
+        for (int j = 0; j < MR; ++j) {
+            const __m256 x = _mm256_loadu_ps(X + (m0 + j) * K + k);
+            for (int i = 0; i < NR; ++i) acc[i][j] = _mm256_fmadd_ps(w[i], x, acc[i][j]);
         }
     }
-    *s0 = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    if (x1) *s1 = hsum(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
-    for (; k < K; ++k) {  // the tail, one column at a time in order
-        const float wk = bf16_value(row[k]);
-        *s0 += wk * x0[k];
-        if (x1) *s1 += wk * x1[k];
+    for (int i = 0; i < NR; ++i) {
+        const uint16_t* row = W + (n0 + i) * K;
+        for (int j = 0; j < MR; ++j) {
+            const float* x = X + (m0 + j) * K;
+            float s = hsum(acc[i][j]);
+            for (int64_t k = K8; k < K; ++k) s += bf16_value(row[k]) * x[k];
+            Y[(m0 + j) * ldy + n0 + i] = s;
+        }
     }
+}
+
+// Weight rows [n0, n1) times all M activation rows: tiles of 8 x 1, 4 x 2 or 2 x 4 (eight
+// accumulators: enough independent FMAs to hide their latency), single rows at the end.
+template <int NR, int MR>
+inline void bf16_rows(const uint16_t* W, int64_t K, const float* X, int64_t n0, int64_t n1,
+                      int64_t m0, float* Y, int64_t ldy) {
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) bf16_tile<NR, MR>(W, K, X, n, m0, Y, ldy);
+    for (; n < n1; ++n) bf16_tile<1, MR>(W, K, X, n, m0, Y, ldy);
 }
 
 void gemv_bf16(const Segment& g, int64_t K, const float* X, int64_t M, float* Y, int64_t ldy) {
     const uint16_t* W = reinterpret_cast<const uint16_t*>(g.w.data_ptr<at::BFloat16>());
     at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
-        std::vector<float> wf(M > 2 ? K : 0);  // the row widened once when many rows use it
-        for (int64_t n = begin; n < end; ++n) {
-            const uint16_t* row = W + n * K;
-            if (M > 2) {
-                int64_t k = 0;
-                for (; k + 8 <= K; k += 8) _mm256_storeu_ps(wf.data() + k, load_bf16x8(row + k));
-                for (; k < K; ++k) wf[k] = bf16_value(row[k]);
-            }
-            for (int64_t m = 0; m < M; m += 2) {
-                const float* x0 = X + m * K;
-                const float* x1 = (m + 1 < M) ? x0 + K : nullptr;
-                float s0 = 0.f, s1 = 0.f;
-                if (M > 2) {
-                    const float* w = wf.data();
-                    dot_rows([w](int64_t k) { return _mm256_loadu_ps(w + k); }, row, K, x0, x1, &s0,
-                             &s1);
-                } else {
-                    dot_rows([row](int64_t k) { return load_bf16x8(row + k); }, row, K, x0, x1, &s0,
-                             &s1);
-                }
-                Y[m * ldy + n] = s0;
-                if (x1) Y[(m + 1) * ldy + n] = s1;
-            }
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) bf16_rows<2, 4>(W, K, X, begin, end, m, Y, ldy);
+        switch (M - m) {
+            case 3: bf16_rows<2, 3>(W, K, X, begin, end, m, Y, ldy); break;
+            case 2: bf16_rows<4, 2>(W, K, X, begin, end, m, Y, ldy); break;
+            case 1: bf16_rows<8, 1>(W, K, X, begin, end, m, Y, ldy); break;
+            default: break;
         }
     });
 }

@@ -37,7 +37,7 @@ import torch
 from pdserve.engine.kernels.cpu_build import build_cpu_extension
 
 #: Most tokens one fused call takes.
-MAX_FUSED_TOKENS = 16
+MAX_FUSED_TOKENS = 32
 #: Weight segment kinds (the C++ ``Kind``).
 BF16, INT4, INT8 = 0, 1, 2
 #: Columns per int4 scale block and per activation quantization block.
