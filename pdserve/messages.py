@@ -5,7 +5,7 @@ router binds one zmq ROUTER socket; each worker connects a DEALER socket whose i
 its ``worker_id``, so one connection carries both directions.
 
 Worker -> router: :class:`RegisterWorker`, :class:`Heartbeat`, :class:`StepOutputs`,
-:class:`RequestFailed`. Router -> worker: :class:`RegisterAck`, :class:`GenerateRequest`,
+:class:`RequestFailed`, :class:`KVCacheEvents`. Router -> worker: :class:`RegisterAck`, :class:`GenerateRequest`,
 :class:`AbortRequests`, :class:`ReregisterRequest`, :class:`ShutdownWorker`. The disaggregation work adds its
 messages to the same unions.
 """
@@ -171,6 +171,21 @@ class StepOutputs(msgspec.Struct, tag="step_outputs"):
     deltas: list[RequestDelta]
 
 
+class KVCacheEvents(msgspec.Struct, tag="kv_cache_events"):
+    """Decode worker -> router: changes to the worker's prefix cache, in order.
+
+    ``stored[i]`` True: block hash ``block_hashes[i]`` became cached (its K/V computed or
+    installed); False: it was evicted. With ``reset`` the lists give every cached block and
+    replace what the router knew (a new router, or a journal that overflowed). Hashes are
+    :func:`~pdserve.engine.block_manager.chain_block_hashes`' (signed 64-bit).
+    """
+
+    worker_id: str
+    stored: list[bool]
+    block_hashes: list[int]
+    reset: bool = False
+
+
 class RequestFailed(msgspec.Struct, tag="request_failed"):
     """Worker -> router: a request was refused or failed; ``message`` is user-facing."""
 
@@ -180,7 +195,7 @@ class RequestFailed(msgspec.Struct, tag="request_failed"):
 
 
 ToRouter = (RegisterWorker | Heartbeat | StepOutputs | RequestFailed | KVReserved
-            | KVReserveRefused | PrefillDone | KVSent | KVTransferFailed)
+            | KVReserveRefused | PrefillDone | KVSent | KVTransferFailed | KVCacheEvents)
 ToWorker = (RegisterAck | GenerateRequest | AbortRequests | ReregisterRequest | ShutdownWorker
             | ExpectRemoteKV | PrefillRequest | FirstToken | ResumeLocally)
 

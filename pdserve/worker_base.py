@@ -18,6 +18,7 @@ from pdserve.worker_metrics import KVTransferTotals
 from pdserve.messages import (
     AbortRequests,
     Heartbeat,
+    KVCacheEvents,
     MessageCodec,
     RegisterAck,
     RegisterWorker,
@@ -58,6 +59,9 @@ class EngineWorker:
     """
 
     role = "decode"
+    #: send the prefix cache's changes to the router (:class:`KVCacheEvents`): the decode
+    #: workers, whose cache the router's routing counts on
+    reports_cache_events = False
 
     def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
                  model_name: str, heartbeat_interval_s: float = 1.0,
@@ -176,6 +180,8 @@ class EngineWorker:
         elif isinstance(msg, RegisterAck):
             self.is_registered = True
             self.heartbeat_interval_s = msg.heartbeat_interval_s
+            if self.reports_cache_events:  # a router that knows nothing of our cache yet
+                self.engine.block_manager.request_cache_snapshot()
         elif isinstance(msg, ReregisterRequest):
             self.is_registered = False
         elif isinstance(msg, ShutdownWorker):
@@ -259,6 +265,7 @@ class EngineWorker:
                 self._step()
             else:
                 trimmer.tick(self.has_work(), now)
+            self._send_cache_events()
             if self.draining:
                 if not self.has_work():
                     break
@@ -273,6 +280,16 @@ class EngineWorker:
         heartbeats.join(timeout=2 * self.heartbeat_interval_s)
         self.sock.close(0)
         self.ctx.term()
+
+    def _send_cache_events(self) -> None:
+        """Tell the router what entered and left the prefix cache since the last call
+        (decode workers; on the engine's thread, which owns the block manager)."""
+        if not (self.reports_cache_events and self.is_registered):
+            return
+        reset, events = self.engine.block_manager.drain_cache_events()
+        if events or reset:
+            self.send(KVCacheEvents(self.worker_id, [stored for stored, _ in events],
+                                    [block_hash for _, block_hash in events], reset))
 
     def close(self) -> None:
         """Release role-specific resources (transports, threads)."""

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (
@@ -20,6 +21,7 @@ from pdserve.messages import (
     FirstToken,
     GenerateRequest,
     Heartbeat,
+    KVCacheEvents,
     KVReserved,
     KVReserveRefused,
     KVSent,
@@ -71,7 +73,9 @@ class View:
         return 0 if index is None else index.num_cached_tokens(prompt)
 
     def cache(self, worker_id: str, prompt: list[int]) -> None:
-        self.indexes.setdefault(worker_id, PrefixIndex(BLOCK, 256)).record(prompt)
+        hashes = chain_block_hashes(prompt, BLOCK, [])
+        self.indexes.setdefault(worker_id, PrefixIndex(BLOCK)).apply([True] * len(hashes),
+                                                                     hashes)
 
 
 def prompt(n: int, start: int = 0) -> list[int]:
@@ -371,3 +375,43 @@ def test_messages_the_router_never_receives_are_dropped(harness):
     harness.recv("d0", PrefillRequest("x", [1], SamplingParams(), 0.0, "d0", "tcp://x:1"))
     harness.recv("d0", AbortRequests(["x"]))
     assert harness.take() == [] and harness.router.is_healthy is False  # never started
+
+
+# -- the decode worker's cache as the router sees it ----------------------------------------
+def cache_events(prompt_ids: list[int], stored: bool = True, reset: bool = False,
+                 worker: str = "d0") -> KVCacheEvents:
+    hashes = chain_block_hashes(prompt_ids, BLOCK, [])
+    return KVCacheEvents(worker, [stored] * len(hashes), hashes, reset)
+
+
+def test_a_routed_prompt_counts_as_cached_only_once_the_worker_reports_it(harness):
+    """Routing a long prompt to D records nothing: a second identical request goes remote
+    too (D has no K/V yet, or prefix caching off) until D's cache events say it holds the
+    blocks; an eviction event takes them away again, a snapshot replaces the set."""
+    router = harness.router
+    d0 = router.registry.workers["d0"]
+    long = prompt(300)
+    router.add_request("a", long, SamplingParams(max_tokens=4))
+    assert router.num_cached_tokens(d0, long) == 0
+    router.add_request("b", long, SamplingParams(max_tokens=4))
+    assert [h.route for h in router.handles.values()] == [REMOTE_PREFILL, REMOTE_PREFILL]
+    harness.recv("d0", cache_events(long))
+    assert router.num_cached_tokens(d0, long) == 288  # 18 full blocks; one token computed
+    router.add_request("c", long, SamplingParams(max_tokens=4))
+    assert router.handles["c"].route == LOCAL
+    harness.recv("d0", cache_events(long[:160], stored=False))  # the first 10 blocks evicted
+    assert router.num_cached_tokens(d0, long) == 0
+    harness.recv("d0", cache_events(long[:64], reset=True))  # a snapshot: 4 blocks
+    assert router.num_cached_tokens(d0, long) == 64
+
+
+def test_cache_events_from_others_are_not_applied(harness):
+    router = harness.router
+    d0 = router.registry.workers["d0"]
+    long = prompt(300)
+    harness.recv("p0", cache_events(long, worker="p0"))  # a prefill worker's cache: ignored
+    harness.recv("p0", cache_events(long, worker="d0"))  # an impostor: dropped
+    harness.recv("d9", cache_events(long, worker="d9"))  # unregistered: dropped
+    assert router.num_cached_tokens(d0, long) == 0
+    harness.recv("d0", KVCacheEvents("d0", [True], [1, 2]))  # malformed: lengths differ
+    assert router.num_cached_tokens(d0, long) == 0

@@ -65,6 +65,7 @@ class DecodeWorker(EngineWorker):
     """
 
     role = "decode"
+    reports_cache_events = True
 
     def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
                  model_name: str, heartbeat_interval_s: float = 1.0,

@@ -18,6 +18,10 @@ from collections import OrderedDict
 
 from pdserve.engine.request import Request
 
+#: Cache events kept before the journal gives up and asks for a snapshot instead (a journal
+#: nobody drains, as in the offline engine, stays bounded).
+MAX_PENDING_CACHE_EVENTS = 65536
+
 #: Parent hash of a request's first block.
 ROOT_HASH = 0
 
@@ -66,6 +70,10 @@ class BlockManager:
         self.cached_block_ids: dict[int, int] = {}
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
+        #: prefix-cache changes since the last :meth:`drain_cache_events`, in order:
+        #: ``(True, hash)`` a block became cached, ``(False, hash)`` it was evicted
+        self._cache_events: list[tuple[bool, int]] = []
+        self._cache_events_overflowed = False
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -124,6 +132,7 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached_block_ids.get(block.block_hash) == block_id:
                 del self.cached_block_ids[block.block_hash]
+                self._journal(False, block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block_id
@@ -178,7 +187,37 @@ class BlockManager:
                 continue
             block_hash = request.block_hashes[i]
             block.block_hash = block_hash
-            self.cached_block_ids.setdefault(block_hash, block.block_id)
+            if block_hash not in self.cached_block_ids:
+                self.cached_block_ids[block_hash] = block.block_id
+                self._journal(True, block_hash)
+
+    def _journal(self, stored: bool, block_hash: int) -> None:
+        if self._cache_events_overflowed:
+            return
+        self._cache_events.append((stored, block_hash))
+        if len(self._cache_events) > MAX_PENDING_CACHE_EVENTS:
+            self._cache_events.clear()
+            self._cache_events_overflowed = True
+
+    def drain_cache_events(self) -> tuple[bool, list[tuple[bool, int]]]:
+        """The prefix cache's changes since the last call, for a router's index of it.
+
+        Returns:
+            ``(reset, events)``: with ``reset`` False, ordered ``(stored, block_hash)``
+            changes (``stored`` False: evicted); with ``reset`` True (the journal overflowed,
+            or :meth:`request_cache_snapshot` was called), ``events`` lists every cached
+            block as stored and replaces what the reader knew.
+        """
+        if self._cache_events_overflowed:
+            self._cache_events_overflowed = False
+            self._cache_events.clear()
+            return True, [(True, h) for h in self.cached_block_ids]
+        events, self._cache_events = self._cache_events, []
+        return False, events
+
+    def request_cache_snapshot(self) -> None:
+        """Make the next :meth:`drain_cache_events` a full snapshot (a new reader)."""
+        self._cache_events_overflowed = True
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so the tail is reused first)."""

@@ -52,6 +52,7 @@ from pdserve.messages import (
     FirstToken,
     GenerateRequest,
     Heartbeat,
+    KVCacheEvents,
     KVReserved,
     KVReserveRefused,
     KVSent,
@@ -174,6 +175,7 @@ class Router:
             PrefillDone: self._on_prefill_done,
             KVSent: self._on_kv_sent,
             KVTransferFailed: self._on_kv_failed,
+            KVCacheEvents: self._on_cache_events,
         }
 
     def _bind(self, address: str) -> str:
@@ -241,7 +243,7 @@ class Router:
     def _prefix_index(self, worker: WorkerInfo) -> PrefixIndex:
         index = self.prefix_indexes.get(worker.worker_id)
         if index is None or index.block_size != worker.info.block_size:
-            index = PrefixIndex(worker.info.block_size, worker.info.num_kv_blocks)
+            index = PrefixIndex(worker.info.block_size)
             self.prefix_indexes[worker.worker_id] = index
         return index
 
@@ -280,7 +282,6 @@ class Router:
             logger.info("no prefill worker for %s (%d tokens); prefilling on %s",
                         request_id, len(prompt_token_ids), decode.worker_id)
         self._count("route_decisions", route.kind)
-        self._prefix_index(decode).record(prompt_token_ids)
         handle = RequestHandle(request_id, decode.worker_id, route.kind,
                                list(prompt_token_ids), params)
         self.handles[request_id] = handle
@@ -476,6 +477,15 @@ class Router:
         if handle is not None:
             self._end(handle, FAILED, RequestRejected(msg.message) if msg.is_client_error
                       else WorkerFailed(msg.message))
+
+    def _on_cache_events(self, msg: KVCacheEvents, _sender: str = "") -> None:
+        worker = self.registry.workers.get(msg.worker_id)
+        if worker is None or worker.info.role != "decode":
+            return
+        if len(msg.stored) != len(msg.block_hashes):
+            self._drop("malformed", msg.worker_id, "cache events of unequal lengths")
+            return
+        self._prefix_index(worker).apply(msg.stored, msg.block_hashes, msg.reset)
 
     def _on_heartbeat(self, msg: Heartbeat, _sender: str = "") -> None:
         if self.registry.heartbeat(msg) is None:
