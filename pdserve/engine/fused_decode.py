@@ -129,6 +129,10 @@ class FusedCpuDecode:
                 _norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
                 _norm_weight(getattr(attn, "q_norm", None)),
                 _norm_weight(getattr(attn, "k_norm", None)), *parts)
+        head = linear_segments(model.lm_head)
+        #: the LM head in its own format (a GGUF file's Q8_0 embedding as int8), or None
+        self.lm_head = (None if head is None else
+                        module.FusedLinear(head, _bias(model.lm_head), cfg.hidden_size))
 
     @classmethod
     def build(cls, model: nn.Module, kv_cache: torch.Tensor, block_size: int,
@@ -188,6 +192,16 @@ class FusedCpuDecode:
             raise ValueError(f"aux_layer_ids {bad} are not layers of this model "
                              f"(0 .. {self.decoder.num_layers() - 1})")
         return (hidden, aux) if aux_layer_ids else hidden
+
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [rows, hidden_size] -> logits [rows, vocab_size]`` fp32, what
+        :meth:`LlamaForCausalLM.compute_logits` returns (bf16 values); up to
+        :data:`~pdserve.engine.kernels.cpu_decode.MAX_FUSED_TOKENS` rows through the fused
+        kernel's GEMV over the head's own weight format, more through the model."""
+        if self.lm_head is None or not 0 < hidden.shape[0] <= MAX_FUSED_TOKENS:
+            return self.model.compute_logits(hidden)
+        return self.lm_head.forward(hidden)
 
 
 def _unsupported(model: nn.Module, kv_cache: torch.Tensor, dtype: torch.dtype,

@@ -368,31 +368,13 @@ class ModelRunner:
                 [s.request.grammar for s, _ in plain],
                 [(s.request.grammar, s.spec_token_ids) for s, _ in verify])
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         attn_inputs = AttentionInputs(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
             num_decodes=sched.num_decodes, block_size=bs,
         )
-        features = None
-        if self.cuda_graphs is not None and not aux_layer_ids and layer_done is None \
-                and self.cuda_graphs.can_run(query_lens):
-            hidden = self.cuda_graphs.run(input_ids, positions, slots, block_tables, seq_lens)
-        elif self.fused_decode is not None and self.fused_decode.can_run(len(input_ids),
-                                                                         layer_done):
-            out = self.fused_decode.run(ids_t, pos_t, attn_inputs.slot_mapping, query_lens,
-                                        block_tables, aux_layer_ids)
-            hidden, features = out if aux_layer_ids else (out, None)
-        else:
-            metadata = self.backend.build_metadata(attn_inputs)
-            if aux_layer_ids:  # EAGLE-3 fuses several target layers
-                hidden, features = self.model(ids_t, pos_t, self.kv_caches, metadata,
-                                              aux_layer_ids=aux_layer_ids,
-                                              layer_done=layer_done)
-            else:
-                hidden = self.model(ids_t, pos_t, self.kv_caches, metadata,
-                                    layer_done=layer_done)
+        hidden, features = self.forward(input_ids, positions, attn_inputs, aux_layer_ids,
+                                        layer_done)
         # for the drafter: this step's hidden states, each scheduled request's first row in
         # them and its num_computed_tokens before the step
         step_hidden = StepHidden(hidden if features is None else features, query_starts,
@@ -415,6 +397,51 @@ class ModelRunner:
             prompt_logprobs=prompt_lps,
             hidden=step_hidden,
         )
+
+    def forward(self, input_ids: list[int], positions: list[int],
+                attn_inputs: AttentionInputs, aux_layer_ids: tuple[int, ...] = (),
+                layer_done: Callable[[int], None] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward over one step's tokens, by the fastest path that applies:
+        CUDA graphs (decode batches on CUDA), the fused CPU decode kernel (steps of few
+        tokens on CPU), else the eager model.
+
+        Args:
+            input_ids, positions: the step's tokens and their positions.
+            attn_inputs: the step's slots, query/sequence lengths and block tables.
+            aux_layer_ids, layer_done: as in :meth:`execute`.
+
+        Returns:
+            ``(hidden [num_tokens, hidden_size], features)``: ``features`` the EAGLE-3
+            layer inputs ``[num_tokens, len(aux_layer_ids) * hidden_size]``, or None.
+        """
+        a = attn_inputs
+        if self.cuda_graphs is not None and not aux_layer_ids and layer_done is None \
+                and self.cuda_graphs.can_run(a.query_lens):
+            bs = a.block_size  # one token per request: its slot, without a device sync
+            slots = [bt[p // bs] * bs + p % bs for bt, p in zip(a.block_tables, positions)]
+            return self.cuda_graphs.run(input_ids, positions, slots, a.block_tables,
+                                        a.seq_lens), None
+        dev = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if self.fused_decode is not None and self.fused_decode.can_run(len(input_ids),
+                                                                       layer_done):
+            out = self.fused_decode.run(ids_t, pos_t, a.slot_mapping, a.query_lens,
+                                        a.block_tables, aux_layer_ids)
+            return out if aux_layer_ids else (out, None)
+        metadata = self.backend.build_metadata(a)
+        if aux_layer_ids:  # EAGLE-3 fuses several target layers
+            return self.model(ids_t, pos_t, self.kv_caches, metadata,
+                              aux_layer_ids=aux_layer_ids, layer_done=layer_done)
+        return self.model(ids_t, pos_t, self.kv_caches, metadata, layer_done=layer_done), None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [rows, hidden_size] -> logits [rows, vocab_size]`` fp32 (through the
+        fused CPU kernel where it runs, else the model's LM head)."""
+        if self.fused_decode is not None:
+            return self.fused_decode.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest],
                          query_starts: list[int]) -> dict[str, list[TokenLogprob]]:
@@ -439,7 +466,7 @@ class ModelRunner:
             items: list[TokenLogprob] = []
             for a in range(first, last, PROMPT_LOGPROBS_SLICE):
                 b = min(last, a + PROMPT_LOGPROBS_SLICE)
-                logits = self.model.compute_logits(hidden[q0 + a - start:q0 + b - start])
+                logits = self.compute_logits(hidden[q0 + a - start:q0 + b - start])
                 raw = torch.log_softmax(logits.float(), dim=-1)
                 targets = torch.tensor(req.token_ids[a + 1:b + 1], dtype=torch.int64,
                                        device=raw.device)
@@ -468,7 +495,7 @@ class ModelRunner:
         """One token per request from its last row (all sampling features)."""
         reqs = [s.request for s, _ in plain]
         rows = torch.tensor([row for _, row in plain], dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [num_plain, vocab] fp32
+        logits = self.compute_logits(hidden[rows])  # [num_plain, vocab] fp32
         smeta = self._sampling_metadata(reqs, [r.output_token_ids for r in reqs],
                                         logits.shape[-1])
         if masks is not None and masks.plain_rows:
@@ -490,7 +517,7 @@ class ModelRunner:
         reqs = [s.request for s, _ in verify]
         rows = torch.tensor([first + j for s, first in verify for j in range(s.num_spec_tokens + 1)],
                             dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [sum(k_i + 1), vocab] fp32
+        logits = self.compute_logits(hidden[rows])  # [sum(k_i + 1), vocab] fp32
         smeta = self._sampling_metadata(reqs, [r.output_token_ids for r in reqs],
                                         logits.shape[-1])
         target = logits

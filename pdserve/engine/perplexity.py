@@ -36,7 +36,10 @@ def perplexity(engine, token_ids: list[int], chunk_size: int = 128) -> float:
             borrowed for the computation and returned).
         token_ids: at least 2 tokens, at most ``engine.max_model_len``.
         chunk_size: tokens per prefill chunk; chunks after the first read their context
-            from the paged KV cache.
+            from the paged KV cache. Each chunk runs the forward a step of that many tokens
+            runs when serving (:meth:`ModelRunner.forward`: chunks of at most
+            :data:`~pdserve.engine.kernels.cpu_decode.MAX_FUSED_TOKENS` tokens measure the
+            fused CPU decode kernel where it applies).
 
     Returns:
         ``exp(mean negative log-likelihood)`` of tokens ``1 ..`` given their prefix (nats).
@@ -71,15 +74,11 @@ def perplexity(engine, token_ids: list[int], chunk_size: int = 128) -> float:
                 query_lens=[end - start], seq_lens=[end], block_tables=[bt], num_decodes=0,
                 block_size=bs,
             )
-            metadata = runner.backend.build_metadata(attn)
-            hidden = runner.model(
-                torch.tensor(token_ids[start:end], dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev),
-                runner.kv_caches, metadata)
+            hidden, _ = runner.forward(token_ids[start:end], positions, attn)
             rows = min(end, n - 1) - start  # the last token predicts nothing
             if rows <= 0:
                 continue
-            logits = runner.model.compute_logits(hidden[:rows])  # [rows, V] fp32
+            logits = runner.compute_logits(hidden[:rows])  # [rows, V] fp32
             nll = torch.nn.functional.cross_entropy(
                 logits, targets[start:start + rows], reduction="sum")
             nll_sum += float(nll)

@@ -183,10 +183,11 @@ inline void q4_row(const uint8_t* row, const uint16_t* ds, int64_t nb, const Qua
     const int8_t* xq = a.q.data() + m0 * nb * QBLOCK;
     const float* xd = a.d.data() + m0 * nb;
     const float* xs = a.s.data() + m0 * nb;
-    __m256 acc[MC], mv[MC];
+    __m256 acc[MC], acc2[MC], mv[MC];  // acc: even blocks, acc2: odd ones (two FMA chains)
     float mterm[MC];
     for (int m = 0; m < MC; ++m) {
         acc[m] = _mm256_setzero_ps();
+        acc2[m] = _mm256_setzero_ps();
         mv[m] = _mm256_setzero_ps();
         mterm[m] = 0.f;
     }
@@ -207,7 +208,29 @@ inline void q4_row(const uint8_t* row, const uint16_t* ds, int64_t nb, const Qua
             mterm[m] += mn * xs[m * nb + b];
         }
     }
-    for (b = 0; b < nb; ++b) {
+    const __m256i low4x2 = _mm256_set1_epi8(0x0f);
+    for (b = 0; b + 2 <= nb; b += 2) {  // two blocks per 32-byte load
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 16));
+        const __m256i lo = _mm256_and_si256(v, low4x2);                       // cols 0-15
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4x2);  // cols 16-31
+        const __m256i q0 = _mm256_permute2x128_si256(lo, hi, 0x20);  // block b
+        const __m256i q1 = _mm256_permute2x128_si256(lo, hi, 0x31);  // block b + 1
+        for (int m = 0; m < MC; ++m) {
+            const int8_t* x = xq + (m * nb + b) * QBLOCK;
+            const __m256i p0 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                ones);
+            const __m256i p1 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(
+                    q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QBLOCK))),
+                ones);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(dd + m * nb + b),
+                                     acc[m]);
+            acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
+                                      _mm256_broadcast_ss(dd + m * nb + b + 1), acc2[m]);
+        }
+    }
+    for (; b < nb; ++b) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
         const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4),
                                            _mm_and_si128(v, low4));
@@ -219,7 +242,8 @@ inline void q4_row(const uint8_t* row, const uint16_t* ds, int64_t nb, const Qua
                                      acc[m]);
         }
     }
-    for (int m = 0; m < MC; ++m) y[(m0 + m) * ldy] = hsum(acc[m]) + (hsum(mv[m]) + mterm[m]);
+    for (int m = 0; m < MC; ++m)
+        y[(m0 + m) * ldy] = hsum(_mm256_add_ps(acc[m], acc2[m])) + (hsum(mv[m]) + mterm[m]);
 }
 
 // One int8 weight row (per-channel scale s) against MC activation rows.
