@@ -198,7 +198,7 @@ def test_greedy_speculation_stays_lossless_through_the_fused_kernel(quantization
     assert spec.engine.spec_stats.num_accepted_tokens > 0  # drafts were verified and kept
 
 
-@pytest.mark.parametrize("quantization,bound", [(None, 1.015), ("rtn-int4", 1.02)])
+@pytest.mark.parametrize("quantization,bound", [(None, 1.015), ("rtn-int4", 1.02), ("gguf", 1.02)])
 def test_fused_perplexity_matches_the_eager_model(quantization, bound):
     """Held-out perplexity of SmolLM2 scored in chunks of 32 tokens (each chunk one fused
     step) against chunks of 256 (the eager model) stays within ``bound``.
@@ -209,7 +209,8 @@ def test_fused_perplexity_matches_the_eager_model(quantization, bound):
     the checkpoint's fp32 weights for GEMMs of more than 8 rows and rounds them to bf16
     only for its decode GEMV, as the fused kernel always does (the GGUF's dequantized Q4_1
     values are not bf16 numbers). For int4 the int8 activations (GGML's Q4_1 x Q8_1
-    scheme) add about 0.5 %."""
+    scheme) add about 0.5 %; gguf (the file's Q4_1 blocks as they are, its Q8_0 LM head as
+    per-channel int8) fused 44.53 against eager 44.43 / 44.31."""
     from pdserve.engine.perplexity import held_text, perplexity
 
     llm = LLM(None, dtype="bfloat16", load_progress=False, quantization=quantization,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.kernels.cpu_decode import (
+    BF16,
     MAX_FUSED_TOKENS, Segment, bf16_segment, cpu_decode_module, group_to_blocks, int4_segment,
     int8_segment,
 )
@@ -104,10 +105,11 @@ class FusedCpuDecode:
         kv_cache: the runner's whole cache, bf16 ``[layers, 2, blocks, block_size,
             kv_heads, head_dim]``.
         block_size: tokens per KV block.
+        int8_lm_head: run a dense LM head as per-channel int8 (see :meth:`build`).
     """
 
     def __init__(self, module, model: LlamaForCausalLM, kv_cache: torch.Tensor,
-                 block_size: int) -> None:
+                 block_size: int, int8_lm_head: bool = False) -> None:
         cfg, inner = model.cfg, model.model
         rotary: RotaryEmbedding = inner.rotary
         self.model = model
@@ -130,16 +132,22 @@ class FusedCpuDecode:
                 _norm_weight(getattr(attn, "q_norm", None)),
                 _norm_weight(getattr(attn, "k_norm", None)), *parts)
         head = linear_segments(model.lm_head)
+        if int8_lm_head and head is not None and all(k == BF16 for k, _, _ in head):
+            head = [int8_segment(torch.cat([w for _, w, _ in head]).float())]
         #: the LM head in its own format (a GGUF file's Q8_0 embedding as int8), or None
         self.lm_head = (None if head is None else
                         module.FusedLinear(head, _bias(model.lm_head), cfg.hidden_size))
 
     @classmethod
     def build(cls, model: nn.Module, kv_cache: torch.Tensor, block_size: int,
-              dtype: torch.dtype, device: torch.device) -> "FusedCpuDecode | None":
+              dtype: torch.dtype, device: torch.device,
+              int8_lm_head: bool = False) -> "FusedCpuDecode | None":
         """The fused decoder for ``model``, or None where it does not apply (logged):
         not CPU, not bf16 (model and cache), not a Llama-family model with the plain
-        forward, rotary tables that are not the head's, or the kernel cannot be built."""
+        forward, rotary tables that are not the head's, or the kernel cannot be built.
+
+        ``int8_lm_head``: a dense LM head runs as per-channel int8 (a GGUF file whose tied
+        embedding is Q8_0 loads it dense: this keeps it at 8 bits, half the bf16 bytes)."""
         why = _unsupported(model, kv_cache, dtype, device)
         module = None if why else cpu_decode_module()
         if why is None and module is None:
@@ -148,7 +156,7 @@ class FusedCpuDecode:
             logger.info("decode steps run the eager model: %s", why)
             return None
         try:
-            fused = cls(module, model, kv_cache, block_size)
+            fused = cls(module, model, kv_cache, block_size, int8_lm_head)
         except (ValueError, RuntimeError) as exc:
             logger.info("decode steps run the eager model: %s", exc)
             return None

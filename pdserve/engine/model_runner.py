@@ -203,7 +203,8 @@ class ModelRunner:
         self.cuda_graphs = self._capture_cuda_graphs()
         #: decode steps of few tokens as one fused CPU call (None: the eager model runs)
         self.fused_decode = (None if config.enforce_eager else FusedCpuDecode.build(
-            self.model, self.kv_cache, self.block_size, self.dtype, self.device))
+            self.model, self.kv_cache, self.block_size, self.dtype, self.device,
+            int8_lm_head=config.quantization == "gguf"))
 
     def _capture_cuda_graphs(self):
         """Decode CUDA graphs (CUDA + Triton backend, unless ``enforce_eager``), else None."""
