@@ -333,10 +333,12 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     logger.info("%s worker on cores %s with %d torch threads", role,
                 format_cpu_list(applied.cpus), applied.num_threads)
     config = engine_config_from_args(args, args.model)
-    if role == "prefill":  # it samples one token per request: nothing to speculate on
+    if role == "prefill":  # it samples one token per request: nothing to speculate on,
+        # and its steps stream KV layer by layer (the eager model): no decode CUDA graphs or
+        # fused CPU decode kernel, whose weight copies would only take memory
         config = dataclasses.replace(config, speculative_method="none", speculative_model=None,
                                      speculative_draft_confidence=0.0,
-                                     speculative_disable_by_batch_size=0)
+                                     speculative_disable_by_batch_size=0, enforce_eager=True)
     engine = LLMEngine(config)
     name = args.served_model_name or served_model_name(args.model, engine.model_path)
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
