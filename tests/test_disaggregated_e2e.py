@@ -118,11 +118,17 @@ def test_follow_up_on_a_cached_long_prefix_is_prefilled_by_the_decode_worker(dis
     """The threshold counts only tokens the decode worker does not hold already."""
     served = "pdserve:worker_requests_served{role=prefill,worker_id="
     prompt = long_prompt(7)
-    complete(disagg_bf16, prompt, max_tokens=4)  # long and new: prefilled remotely
+    first = complete(disagg_bf16, prompt, max_tokens=4)  # long and new: prefilled remotely
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     time.sleep(1.5)
     before = wait_idle(disagg_bf16)
     follow_up = prompt + " the town changed. What happened next?"
-    complete(disagg_bf16, follow_up, max_tokens=4)
+    second = complete(disagg_bf16, follow_up, max_tokens=4)
+    # the decode worker holds the first prompt's full blocks (installed from the prefill
+    # worker's KV), and the response says so (OpenAI's usage.prompt_tokens_details)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    n_first = first["usage"]["prompt_tokens"]
+    assert cached % 16 == 0 and n_first - 32 < cached <= n_first, (cached, n_first)
     time.sleep(1.5)  # one heartbeat carries the workers' own counts
     after = metrics(disagg_bf16)
 

@@ -102,6 +102,9 @@ def test_usage_counts_equal_tokenizer_counts(client, tokenizer):
     assert resp.usage.prompt_tokens == len(prompt_ids)
     assert resp.usage.completion_tokens == 12
     assert resp.usage.total_tokens == len(prompt_ids) + 12
+    # this server runs without prefix caching: nothing is ever served from it (the same
+    # prompt was asked before by other tests)
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
     comp = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=5,
                                      temperature=0, extra_body={"ignore_eos": True})
     assert comp.usage.prompt_tokens == len(tokenizer.encode("The sea is"))

@@ -26,6 +26,7 @@ from pdserve.server.protocol import (
     DeltaMessage,
     DeltaToolCall,
     FunctionCallResponse,
+    PromptTokensDetails,
     ToolCall,
     UsageInfo,
 )
@@ -85,7 +86,9 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> ChatCompletionLo
 def _usage(gen: Generation) -> UsageInfo:
     return UsageInfo(prompt_tokens=gen.num_prompt_tokens,
                      completion_tokens=gen.num_completion_tokens,
-                     total_tokens=gen.num_prompt_tokens + gen.num_completion_tokens)
+                     total_tokens=gen.num_prompt_tokens + gen.num_completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=gen.num_cached_tokens))
 
 
 def _tool_params(state: ServerState, req: ChatCompletionRequest, params: SamplingParams

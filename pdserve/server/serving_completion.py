@@ -17,6 +17,7 @@ from pdserve.server.protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    PromptTokensDetails,
     UsageInfo,
 )
 from pdserve.server.serving_common import (
@@ -118,7 +119,9 @@ async def _merged(gens: list[Generation], n: int) -> AsyncIterator[ChoiceEvent]:
 def _usage(gens: list[Generation]) -> UsageInfo:
     p = sum(g.num_prompt_tokens for g in gens)
     c = sum(g.num_completion_tokens for g in gens)
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    cached = sum(g.num_cached_tokens for g in gens)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 async def create_completion(state: ServerState, raw: bytes):
