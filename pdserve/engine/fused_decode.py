@@ -58,12 +58,7 @@ def linear_segments(mod: nn.Module) -> list[Segment] | None:
     packed CPU GEMMs do (:mod:`pdserve.engine.quantization.cpu_packed`).
     """
     if isinstance(mod, Fp32GemmLinear):
-        copies = mod.__dict__.get("_weight_bf16")
-        if copies is None:  # the eager bf16 GEMV path makes and keeps the same copy
-            copies = mod.__dict__["_weight_bf16"] = (
-                mod.weight.to(torch.bfloat16),
-                None if mod.bias is None else mod.bias.to(torch.bfloat16))
-        return [bf16_segment(copies[0])]
+        return [bf16_segment(mod.bf16_weights()[0])]  # the eager bf16 GEMV's copy
     if type(mod) is nn.Linear:
         return [bf16_segment(mod.weight)] if mod.weight.dtype == torch.bfloat16 else None
     if isinstance(mod, GGUFLinear):

@@ -115,6 +115,16 @@ class Fp32GemmLinear(nn.Linear):
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.detach().float(), requires_grad=False))
 
+    def bf16_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight [out, in], bias [out] or None)`` rounded to bf16, made on first use and
+        kept (the decode GEMVs' copy: this module's bf16 path and the fused CPU kernel)."""
+        copies = self.__dict__.get("_weight_bf16")
+        if copies is None:
+            copies = self.__dict__["_weight_bf16"] = (
+                self.weight.to(torch.bfloat16),
+                None if self.bias is None else self.bias.to(torch.bfloat16))
+        return copies
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [num_tokens, in_features] -> [num_tokens, out_features]`` in ``x.dtype``.
 
@@ -128,11 +138,7 @@ class Fp32GemmLinear(nn.Linear):
         kernel = bf16_gemv_module() if x.dtype == torch.bfloat16 else None
         max_rows = MAX_GEMV_ROWS if kernel is not None else MAX_BF16_GEMV_ROWS
         if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= max_rows:
-            copies = self.__dict__.get("_weight_bf16")
-            if copies is None:  # (weight, bias) in bf16, made once
-                copies = self.__dict__["_weight_bf16"] = (
-                    self.weight.to(torch.bfloat16),
-                    None if self.bias is None else self.bias.to(torch.bfloat16))
+            copies = self.bf16_weights()
             if kernel is None:
                 return F.linear(x, *copies)
             y = kernel.gemv(copies[0], x.float().contiguous())
