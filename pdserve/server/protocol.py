@@ -1,7 +1,8 @@
 """The OpenAI API schema of pdserve: requests, responses and error bodies.
 
 Import from here; the definitions live in ``protocol_common`` (limits, scalar types),
-``protocol_requests``, ``protocol_responses`` and ``protocol_errors``.
+``protocol_sampling`` (fields shared by both requests), ``protocol_requests``,
+``protocol_responses`` and ``protocol_errors``.
 """
 
 from pdserve.server.protocol_common import (
@@ -27,7 +28,6 @@ from pdserve.server.protocol_requests import (
     ChatRole,
     CompletionRequest,
     Prompt,
-    StreamOptions,
 )
 from pdserve.server.protocol_responses import (
     ChatCompletionLogProb,
@@ -54,6 +54,7 @@ from pdserve.server.protocol_responses import (
     ToolCall,
     UsageInfo,
 )
+from pdserve.server.protocol_sampling import StreamOptions
 
 __all__ = [
     "DeltaFunctionCall", "DeltaToolCall", "FunctionCallResponse", "ToolCall",
