@@ -12,6 +12,8 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                   50.0, 60.0, 120.0, 240.0, 480.0)
+#: The label every series carries; some add their own after it.
+_MODEL_LABEL = ("model_name",)
 
 
 class ServerMetrics:
@@ -24,7 +26,19 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        r, lbl = self.registry, ["model_name"]
+        # NOTE: series are exported in the order they are created here.
+        self._add_load_series()
+        self._add_request_series()
+        self._add_router_series()
+        self._add_spec_decode_series()
+        self._add_output_format_series()
+        #: worker id -> the cumulative spec-decode counters last added from its heartbeats
+        self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
+        self._add_worker_series()
+
+    def _add_load_series(self) -> None:
+        """Decode-side load gauges, summed over workers by :meth:`set_load`."""
+        r, lbl = self.registry, _MODEL_LABEL
         self.num_requests_running = Gauge(
             "pdserve:num_requests_running", "Requests in model execution batches.", lbl,
             registry=r)
@@ -33,6 +47,11 @@ class ServerMetrics:
         self.kv_cache_usage_perc = Gauge(
             "pdserve:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lbl,
             registry=r)
+
+    def _add_request_series(self) -> None:
+        """Token counts, outcomes and latencies (TTFT, ITL, end to end, queueing) of
+        requests, recorded by the server's generations."""
+        r, lbl = self.registry, _MODEL_LABEL
         self.prompt_tokens = Counter(
             "pdserve:prompt_tokens", "Number of prefill tokens processed.", lbl, registry=r)
         self.generation_tokens = Counter(
@@ -40,7 +59,7 @@ class ServerMetrics:
             registry=r)
         self.request_success = Counter(
             "pdserve:request_success", "Count of successfully processed requests.",
-            lbl + ["finished_reason"], registry=r)
+            lbl + ("finished_reason",), registry=r)
         self.time_to_first_token = Histogram(
             "pdserve:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
             lbl, buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -56,9 +75,14 @@ class ServerMetrics:
             "Histogram of time spent waiting for a worker slot, in seconds.", lbl,
             buckets=_E2E_BUCKETS_S, registry=r)
 
+    def _add_router_series(self) -> None:
+        """What the router records by series name: routing decisions, KV transfers between
+        prefill and decode workers, refused connections, dropped messages, deadlines, loop
+        restarts, retries and prefill times."""
+        r, lbl = self.registry, _MODEL_LABEL
         self.route_decisions = Counter(
             "pdserve:route_decisions", "Routing decisions (local, remote_prefill, fallback).",
-            lbl + ["route"], registry=r)
+            lbl + ("route",), registry=r)
         self.kv_transfer_bytes = Counter(
             "pdserve:kv_transfer_bytes", "KV bytes pushed from prefill to decode workers.", lbl,
             registry=r)
@@ -66,22 +90,22 @@ class ServerMetrics:
             "pdserve:kv_transfer_seconds", "Time to push one request's KV, in seconds.", lbl,
             buckets=_LATENCY_BUCKETS_S, registry=r)
         self.kv_transfer_failures = Counter(
-            "pdserve:kv_transfer_failures", "Failed KV transfers by reason.", lbl + ["reason"],
+            "pdserve:kv_transfer_failures", "Failed KV transfers by reason.", lbl + ("reason",),
             registry=r)
         self.refused_connections = Counter(
             "pdserve:refused_connections", "Connections to the router refused: no or the "
-            "wrong cluster key (reason: unknown_key, handshake_failed).", lbl + ["reason"],
+            "wrong cluster key (reason: unknown_key, handshake_failed).", lbl + ("reason",),
             registry=r)
         self.dropped_messages = Counter(
             "pdserve:dropped_messages", "Messages the router dropped (reason: frames, "
-            "malformed, impostor, unregistered, not_its_request).", lbl + ["reason"],
+            "malformed, impostor, unregistered, not_its_request).", lbl + ("reason",),
             registry=r)
         self.request_timeouts = Counter(
             "pdserve:request_timeouts", "Requests ended by a deadline (kind: first_token).",
-            lbl + ["kind"], registry=r)
+            lbl + ("kind",), registry=r)
         self.router_loop_restarts = Counter(
             "pdserve:router_loop_restarts", "Router loops restarted after a failure.",
-            lbl + ["loop"], registry=r)
+            lbl + ("loop",), registry=r)
         self.request_retries = Counter(
             "pdserve:request_retries", "Requests re-placed after their decode worker died.",
             lbl, registry=r)
@@ -89,6 +113,11 @@ class ServerMetrics:
             "pdserve:request_prefill_time_seconds",
             "Time from a prefill worker taking a request to its first token, in seconds.", lbl,
             buckets=_LATENCY_BUCKETS_S, registry=r)
+
+    def _add_spec_decode_series(self) -> None:
+        """Speculative decoding counters, added from the decode workers' heartbeats by
+        :meth:`add_spec_decode_counts`; exported at 0 before the first draft."""
+        r, lbl = self.registry, _MODEL_LABEL
         self.spec_decode_num_drafts = Counter(
             "pdserve:spec_decode_num_drafts", "Speculative drafts verified (one per request "
             "per step that proposed at least one token).", lbl, registry=r)
@@ -101,17 +130,22 @@ class ServerMetrics:
         self.spec_decode_num_accepted_tokens_per_pos = Counter(
             "pdserve:spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by draft position (0 = first draft token).",
-            lbl + ["position"], registry=r)
+            lbl + ("position",), registry=r)
         for c in (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
                   self.spec_decode_num_accepted_tokens):
-            c.labels(model_name)  # exported at 0 before the first draft
+            c.labels(self.model_name)
+
+    def _add_output_format_series(self) -> None:
+        """Requests with output constraints or tools, and the tool calls parsed from their
+        outputs (the parse counters are exported at 0 before the first call)."""
+        r, lbl = self.registry, _MODEL_LABEL
         self.structured_output_requests = Counter(
             "pdserve:structured_output_requests",
             "Requests with an output constraint, by kind (json, json_object, regex, choice, "
-            "grammar, structural_tag).", lbl + ["kind"], registry=r)
+            "grammar, structural_tag).", lbl + ("kind",), registry=r)
         self.tool_requests = Counter(
             "pdserve:tool_requests", "Chat requests with tools, by tool_choice (auto, "
-            "required, named).", lbl + ["tool_choice"], registry=r)
+            "required, named).", lbl + ("tool_choice",), registry=r)
         self.tool_calls_parsed = Counter(
             "pdserve:tool_calls_parsed", "Tool calls parsed from model outputs.", lbl,
             registry=r)
@@ -119,10 +153,12 @@ class ServerMetrics:
             "pdserve:tool_call_parse_failures", "Tool-call blocks in model outputs that did "
             "not parse (left as text).", lbl, registry=r)
         for c in (self.tool_calls_parsed, self.tool_call_parse_failures):
-            c.labels(model_name)
-        #: worker id -> the cumulative spec-decode counters last added from its heartbeats
-        self._spec_seen: dict[str, tuple[int, int, int, list[int]]] = {}
-        wl = lbl + ["worker_id", "role"]
+            c.labels(self.model_name)
+
+    def _add_worker_series(self) -> None:
+        """Per-worker gauges (labelled also by ``worker_id`` and ``role``), rebuilt from the
+        alive workers by :meth:`set_worker_load` on every scrape."""
+        r, wl = self.registry, _MODEL_LABEL + ("worker_id", "role")
         self.worker_up = Gauge("pdserve:worker_up", "1 while a worker is alive.", wl, registry=r)
         self.worker_num_requests_running = Gauge(
             "pdserve:worker_num_requests_running", "Requests running on each worker.", wl,
@@ -190,6 +226,8 @@ class ServerMetrics:
             self.tool_call_parse_failures.labels(self.model_name).inc(num_failed)
 
     def set_load(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Set the load gauges; ``/metrics`` passes the decode workers' summed running
+        and waiting requests and their highest KV-cache usage (a fraction in [0, 1])."""
         m = self.model_name
         self.num_requests_running.labels(m).set(num_running)
         self.num_requests_waiting.labels(m).set(num_waiting)
