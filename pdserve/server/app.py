@@ -67,6 +67,16 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="pdserve", version=__version__, lifespan=lifespan)
     app.state.pdserve = state
+    _add_error_handlers(app)
+    _add_middleware(app, state)
+    _add_api_routes(app, state)
+    _add_probe_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error becomes an OpenAI-style body: :class:`APIError` with its own status,
+    HTTP errors (404, 405) and invalid bodies as 4xx, anything else as a logged 500."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -88,6 +98,11 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body("internal server error", "internal_server_error"),
                             status_code=500)
 
+
+def _add_middleware(app: FastAPI, state: ServerState) -> None:
+    """The API key check on :data:`PROTECTED_PREFIXES` (401), then the drain check: a
+    draining server answers every POST with 503 and ``Retry-After``."""
+
     @app.middleware("http")
     async def _drain(request: Request, call_next):
         # registered before _auth, so it runs after it: a draining server still says 401
@@ -107,6 +122,11 @@ def build_app(state: ServerState) -> FastAPI:
                 return APIError(401, "Invalid or missing API key.", code="invalid_api_key"
                                 ).response()
         return await call_next(request)
+
+
+def _add_api_routes(app: FastAPI, state: ServerState) -> None:
+    """The OpenAI API (chat and text completions, the model list) and the tokenizer
+    endpoints. A generation whose client disconnects is cancelled."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -131,6 +151,11 @@ def build_app(state: ServerState) -> FastAPI:
         card = ModelCard(id=state.model_name, created=state.created,
                          max_model_len=state.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+
+def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    """What orchestrators and scrapers poll, open without the API key: ``/health``
+    (readiness), ``/live`` (liveness), ``/version`` and ``/metrics``."""
 
     @app.get("/health")
     async def health():
@@ -161,14 +186,18 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        workers = state.router.alive_workers()
-        state.metrics.set_worker_load(workers)
-        state.metrics.add_spec_decode_counts(workers)
-        workers = [w for w in workers if w.info.role == "decode"]
-        loads = [w.load for w in workers if w.load is not None]
-        usage = max((lo.kv_cache_usage for lo in loads), default=0.0)
-        state.metrics.set_load(sum(lo.num_running for lo in loads),
-                               sum(lo.num_waiting for lo in loads), usage)
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(_scrape_metrics(state), media_type="text/plain; version=0.0.4")
 
-    return app
+
+def _scrape_metrics(state: ServerState) -> bytes:
+    """Fill the per-worker and load gauges from the alive workers' last heartbeats, then
+    render every series in the Prometheus text format."""
+    workers = state.router.alive_workers()
+    state.metrics.set_worker_load(workers)
+    state.metrics.add_spec_decode_counts(workers)
+    workers = [w for w in workers if w.info.role == "decode"]
+    loads = [w.load for w in workers if w.load is not None]
+    usage = max((lo.kv_cache_usage for lo in loads), default=0.0)
+    state.metrics.set_load(sum(lo.num_running for lo in loads),
+                           sum(lo.num_waiting for lo in loads), usage)
+    return state.metrics.render()

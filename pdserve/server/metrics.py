@@ -37,7 +37,7 @@ class ServerMetrics:
         self._add_worker_series()
 
     def _add_load_series(self) -> None:
-        """Decode-side load gauges, summed over workers by :meth:`set_load`."""
+        """Load gauges of the decode workers, set by :meth:`set_load` on each scrape."""
         r, lbl = self.registry, _MODEL_LABEL
         self.num_requests_running = Gauge(
             "pdserve:num_requests_running", "Requests in model execution batches.", lbl,
