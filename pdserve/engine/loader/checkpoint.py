@@ -33,7 +33,9 @@ class WeightSource(Protocol):
     """A checkpoint format: how many tensors it has and how to read them."""
 
     @property
-    def num_tensors(self) -> int: ...
+    def num_tensors(self) -> int:
+        """How many tensors ``iter_tensors`` yields (sizes the load progress bar)."""
+        ...
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_parameter_name, tensor)`` in the source's own dtype."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from pdserve.engine.loader.checkpoint import load_checkpoint, load_tokenizer
+from pdserve.engine.loader.gguf_loader import GGUF_TOKEN_ID_KEYS
 from pdserve.engine.loader.safetensors_loader import make_folder_shareable, save_safetensors
 
 SOURCE_MARKER_NAME = "pdserve_source.json"
@@ -96,9 +97,26 @@ def is_converted_folder_fresh(folder: Path, gguf_path: Path | None) -> bool:
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented, key-sorted JSON with a trailing newline."""
     with path.open("w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def _write_hf_configs(folder: Path, hf_config: dict[str, Any]) -> None:
+    """Write ``config.json`` and ``generation_config.json`` for ``hf_config``.
+
+    A writer, not a reader of model facts: ``hf_config`` is the dict
+    :func:`~pdserve.engine.loader.gguf_loader.gguf_to_hf_config` built from the GGUF
+    metadata, and it is serialized as it is, so the folder reloads to the same dict.
+    ``generation_config.json`` gets the special token ids that dict carries (the
+    :data:`~pdserve.engine.loader.gguf_loader.GGUF_TOKEN_ID_KEYS` entries present),
+    copied in their stored form (``eos_token_id`` may be an int or a list).
+    """
+    _write_json(folder / "config.json", hf_config)
+    token_id_keys = set(GGUF_TOKEN_ID_KEYS.values())
+    token_ids = {key: value for key, value in hf_config.items() if key in token_id_keys}
+    _write_json(folder / "generation_config.json", token_ids)
 
 
 def convert_gguf_to_hf_folder(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
@@ -122,13 +140,7 @@ def convert_gguf_to_hf_folder(gguf_path: Path, out_dir: Path, progress: bool = T
         tensors = dict(checkpoint.iter_weights(torch.float32, progress=progress))
         save_safetensors(tensors, tmp_dir / "model.safetensors", metadata={"format": "pt"})
         del tensors
-        _write_json(tmp_dir / "config.json", checkpoint.hf_config)
-        token_ids = {
-            key: checkpoint.hf_config[key]
-            for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-            if key in checkpoint.hf_config
-        }
-        _write_json(tmp_dir / "generation_config.json", token_ids)
+        _write_hf_configs(tmp_dir, checkpoint.hf_config)
         tokenizer.save_pretrained(str(tmp_dir))
         _write_json(tmp_dir / SOURCE_MARKER_NAME, fingerprint)
         make_folder_shareable(tmp_dir)

@@ -30,6 +30,8 @@ import gguf
 import numpy as np
 import torch
 
+from pdserve.engine.config import ModelArchConfig
+
 # GGML tensor types whose dequantization we support (and test).
 SUPPORTED_GGML_TYPES = frozenset(
     {
@@ -92,6 +94,15 @@ _BLOCK_TENSOR_NAMES = MappingProxyType(
         "ffn_gate.weight": "mlp.gate_proj.weight",
         "ffn_up.weight": "mlp.up_proj.weight",
         "ffn_down.weight": "mlp.down_proj.weight",
+    }
+)
+
+# Special token ids: GGUF tokenizer metadata key -> config.json key. Read-only.
+GGUF_TOKEN_ID_KEYS = MappingProxyType(
+    {
+        "tokenizer.ggml.bos_token_id": "bos_token_id",
+        "tokenizer.ggml.eos_token_id": "eos_token_id",
+        "tokenizer.ggml.padding_token_id": "pad_token_id",
     }
 )
 
@@ -209,11 +220,7 @@ def gguf_to_hf_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
-    for gguf_key, hf_key in (
-        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
-        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
-        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
-    ):
+    for gguf_key, hf_key in GGUF_TOKEN_ID_KEYS.items():
         value = read_gguf_metadata(reader, gguf_key)
         if value is not None:
             config[hf_key] = value
@@ -242,9 +249,15 @@ class GGUFWeightSource:
 
     Every tensor's type and name are checked on construction, so a file we cannot
     load fails before any weight is dequantized.
+
+    Args:
+        reader: the open file.
+        path: its path (for error messages).
+        arch: the architecture parsed from the file's metadata; its ``num_heads`` and
+            ``num_kv_heads`` size the Q and K row permutation that is undone.
     """
 
-    def __init__(self, reader: gguf.GGUFReader, path: Path, hf_config: dict[str, Any]) -> None:
+    def __init__(self, reader: gguf.GGUFReader, path: Path, arch: ModelArchConfig) -> None:
         """Raises ValueError naming the tensor for an unsupported name or GGML type."""
         _, spec = gguf_arch_spec(reader, path)
         self._reader = reader
@@ -262,12 +275,13 @@ class GGUFWeightSource:
         if spec.has_interleaved_qk_rows:
             for hf_name in self._hf_names:
                 if ".self_attn.q_proj." in hf_name:
-                    self._num_heads_to_unpermute[hf_name] = hf_config["num_attention_heads"]
+                    self._num_heads_to_unpermute[hf_name] = arch.num_heads
                 elif ".self_attn.k_proj." in hf_name:
-                    self._num_heads_to_unpermute[hf_name] = hf_config["num_key_value_heads"]
+                    self._num_heads_to_unpermute[hf_name] = arch.num_kv_heads
 
     @property
     def num_tensors(self) -> int:
+        """Tensors in the file, each yielded once by ``iter_tensors``/``iter_raw_tensors``."""
         return len(self._hf_names)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -303,9 +317,13 @@ class GGUFWeightSource:
 def open_gguf(path: Path) -> tuple[dict[str, Any], GGUFWeightSource]:
     """Open ``path`` (memory-mapped) and return ``(hf_config, weight_source)``.
 
+    ``hf_config`` is parsed into a :class:`ModelArchConfig` here, once, for the weight
+    source; the engine parses it again from the returned dict.
+
     Raises:
         ValueError: not a readable GGUF file, one shard of a split GGUF,
-            unsupported architecture, tensor name or tensor type.
+            unsupported architecture, tensor name or tensor type, or metadata that
+            :meth:`ModelArchConfig.from_hf_config` rejects.
     """
     try:
         reader = gguf.GGUFReader(path)
@@ -318,4 +336,5 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], GGUFWeightSource]:
             "into one file first (llama-gguf-split --merge)"
         )
     hf_config = gguf_to_hf_config(reader, path)
-    return hf_config, GGUFWeightSource(reader, path, hf_config)
+    arch = ModelArchConfig.from_hf_config(hf_config)
+    return hf_config, GGUFWeightSource(reader, path, arch)

@@ -59,7 +59,9 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
 
     Keys are only added, never overwritten: ``head_dim`` (``hidden_size //
     num_attention_heads``) and ``rope_theta`` (from ``rope_parameters``, the
-    transformers 5 spelling) when missing.
+    transformers 5 spelling) when missing. This completes the raw dict before it is
+    parsed (:meth:`pdserve.engine.config.ModelArchConfig.from_hf_config`), which is
+    where the rest of the engine reads these facts from.
 
     Raises:
         ValueError: ``config.json`` is missing or is not a JSON object.
@@ -118,6 +120,7 @@ class SafetensorsWeightSource:
 
     @property
     def num_tensors(self) -> int:
+        """Tensors across all shards (the index's entries when there is one)."""
         return self._num_tensors
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
