@@ -1,0 +1,201 @@
+"""The commands that run a serving cluster's processes: ``serve`` (API server and workers
+in one go), ``server`` (API server and router only), ``decode-worker`` and
+``prefill-worker`` (each registers with a router), with the flag groups they share."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.server.tools.parsers import TOOL_PARSERS
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.engine.arg_utils import engine_args_to_argv, engine_config_from_args
+    from pdserve.launcher import run_serve
+
+    engine_config_from_args(args, args.model)  # validate here, before any process starts
+    if args.num_prefill < 0 or args.num_decode < 1:
+        raise ValueError("--num-prefill must be >= 0 and --num-decode >= 1")
+    argv = engine_args_to_argv(args)
+    if args.served_model_name:
+        argv += ["--served-model-name", args.served_model_name]
+    return run_serve(args, argv)
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from pdserve.launcher import run_server
+
+    return run_server(args)
+
+
+def _cmd_decode_worker(args: argparse.Namespace) -> int:
+    from pdserve.launcher import run_decode_worker
+
+    return run_decode_worker(args)
+
+
+def _cmd_prefill_worker(args: argparse.Namespace) -> int:
+    from pdserve.launcher import run_prefill_worker
+
+    return run_prefill_worker(args)
+
+
+def _add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
+    g = p.add_argument_group("KV transfer")
+    g.add_argument("--kv-transport", default="zmq", choices=["zmq", "ucx"],
+                   help="transport pushing KV from prefill to decode workers")
+    g.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                   help="seconds each stage of a KV transfer may take")
+    if role == "decode":
+        g.add_argument("--kv-host", default="127.0.0.1",
+                       help="address the KV receiver binds and advertises to prefill "
+                            "workers; 'auto': all interfaces, advertising the local address "
+                            "of the route to the router (containers, pods, namespaces)")
+        g.add_argument("--kv-port", type=int, default=0,
+                       help="port of the KV receiver (0: a free one)")
+    if role in ("serve", "prefill"):
+        g.add_argument("--kv-transfer-dtype", default="fp8", choices=["fp8", "auto"],
+                       help="fp8: e4m3 with per-block, per-head scales; auto: the cache dtype")
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    """Add the "routing" group: which prompts go to a prefill worker, and what happens when
+    their KV transfer fails (``serve``, ``server`` and ``local-cluster``)."""
+    g = p.add_argument_group("routing")
+    g.add_argument("--prefill-threshold", type=int, default=512,
+                   help="prompts with at least this many tokens go to a prefill worker")
+    g.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
+                   help="when a KV transfer fails: recompute on the decode worker, or fail")
+
+
+def _add_auth_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    g = p.add_argument_group("cluster authentication (CURVE on every zmq socket)")
+    g.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="file holding the cluster secret (>= 16 bytes), the same on the "
+                        "server and every worker (else $PDSERVE_CLUSTER_SECRET_FILE or "
+                        "$PDSERVE_CLUSTER_SECRET)" + ("; default for serve: a random one "
+                                                      "made at start" if serve else ""))
+    p.add_argument("--shutdown-grace-period", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, finish in-flight requests for up to this long (new "
+                        "ones get 503 with Retry-After) before stopping; a second signal "
+                        "stops at once (default: 30, the Kubernetes manifests' "
+                        "terminationGracePeriodSeconds)")
+    g.add_argument("--insecure-no-auth", action="store_true",
+                   help="run the router/worker sockets without authentication or "
+                        "encryption (anyone who can reach them can join the cluster)")
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients send as `model` (default: derived from the model)")
+
+
+# argparse names a type function in its "invalid <name> value" errors: keep these names.
+def _cpu_list(value: str) -> tuple[int, ...]:
+    from pdserve.cpu_affinity import parse_cpu_list
+
+    try:
+        return parse_cpu_list(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
+    return port
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds")
+    p.add_argument("--port", type=_port, default=8000, help="HTTP port")
+    p.add_argument("--api-key", default=None,
+                   help="require this bearer token on /v1 (or set PDSERVE_API_KEY; "
+                        "default: no token)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's text (tool_choice auto)")
+    p.add_argument("--router-address", default=None,
+                   help="zmq address the router binds (default: serve: a free loopback "
+                        "port; server: tcp://0.0.0.0:5557)")
+    p.add_argument("--max-num-inflight", type=int, default=1024,
+                   help="requests in flight above which new ones get 503 with Retry-After")
+    p.add_argument("--max-waiting-per-worker", type=int, default=512,
+                   help="requests queued on a decode worker beyond those it runs; past it "
+                        "new requests get 503 with Retry-After at once (default: 512)")
+    p.add_argument("--first-token-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a request still without its first token after this long (queued "
+                        "behind others, then prefilled) ends with a 503 error instead of "
+                        "waiting on; 0 waits for ever (default: 600)")
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve`` to the subcommands ``sub``: HTTP, worker-count, core-placement,
+    routing, KV-transfer, authentication and engine flags."""
+    from pdserve.engine.arg_utils import add_engine_args
+
+    p = sub.add_parser("serve", help="serve the OpenAI API: API server + prefill and decode "
+                                      "workers")
+    _add_model_arg(p)
+    _add_http_args(p)
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill worker processes")
+    p.add_argument("--num-decode", type=int, default=1, help="decode worker processes")
+    p.add_argument("--colocated", action="store_true",
+                   help="one decode worker that prefills everything itself")
+    p.add_argument("--decode-cpus", type=_cpu_list, default=None,
+                   help="cores every decode worker runs on, one torch thread each (default: "
+                        "the available cores split among the decode workers)")
+    p.add_argument("--prefill-cpus", type=_cpu_list, default=None,
+                   help="cores every prefill worker runs on, one torch thread each (default: "
+                        "the available cores split among the prefill workers, with one "
+                        "thread fewer than cores when decode workers share them)")
+    add_routing_args(p)
+    _add_kv_args(p, "serve")
+    _add_auth_args(p, serve=True)
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def add_server_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``server`` to the subcommands ``sub``: the API server and router, without
+    engine flags (the workers that connect bring their own)."""
+    p = sub.add_parser("server", help="API server + router only; workers connect to it")
+    _add_model_arg(p)
+    _add_http_args(p)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                   help="seconds a request may wait for a decode worker to reserve KV")
+    add_routing_args(p)
+    _add_auth_args(p)
+    p.set_defaults(func=_cmd_server)
+
+
+def add_worker_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add ``decode-worker`` and ``prefill-worker`` to the subcommands ``sub``; they differ
+    only in their KV-transfer flags (the decode side binds a receiver, the prefill side
+    picks the wire dtype)."""
+    from pdserve.engine.arg_utils import add_engine_args
+
+    for kind, func, role in (("decode-worker", _cmd_decode_worker, "decode"),
+                             ("prefill-worker", _cmd_prefill_worker, "prefill")):
+        p = sub.add_parser(kind, help=f"a {role} worker that registers with a router")
+        _add_model_arg(p)
+        p.add_argument("--router", required=True,
+                       help="router address, e.g. tcp://127.0.0.1:5557")
+        p.add_argument("--worker-id", default=None, help="unique worker name (default: "
+                       "role-host-pid)")
+        p.add_argument("--metrics-port", type=int, default=0,
+                       help="serve this worker's Prometheus /metrics on this port (0: off)")
+        p.add_argument("--metrics-host", default="127.0.0.1",
+                       help="address the /metrics server binds")
+        p.add_argument("--cpus", type=_cpu_list, default=None,
+                       help="cores to run on, e.g. 0-3,6 (default: every core this process "
+                            "may use)")
+        p.add_argument("--threads", type=int, default=None,
+                       help="torch threads (default: one per core of --cpus)")
+        _add_kv_args(p, role)
+        _add_auth_args(p)
+        add_engine_args(p)
+        p.set_defaults(func=func)
