@@ -189,7 +189,7 @@ class Harness:
         self.router = Router("tcp://127.0.0.1:0", RoutingConfig(prefill_threshold=64,
                                                                 **routing))
         self.sent: list[tuple[str, object]] = []
-        self.router._send = lambda wid, msg: self.sent.append((wid, msg))
+        self.router.send = lambda wid, msg: self.sent.append((wid, msg))
         self.codec = MessageCodec()
         for wid, role in (("d0", "decode"), ("p0", "prefill")):
             self.recv(wid, RegisterWorker(
@@ -208,8 +208,7 @@ class Harness:
         return out
 
     def close(self) -> None:
-        self.router.sock.close(0)
-        self.router.ctx.term()
+        self.router.socket.close()
 
 
 @pytest.fixture
@@ -311,7 +310,7 @@ def test_prefill_worker_lost_recomputes_even_when_its_kv_already_arrived(harness
     harness.recv("p0", KVSent("p0", "r1", 1000, 0.01))
     assert handle.remote.state is RemoteState.AWAITING_FIRST_TOKEN
     harness.take()
-    harness.router._on_worker_lost(harness.router.registry.workers.pop("p0"))
+    harness.router.recovery.on_worker_lost(harness.router.registry.workers.pop("p0"))
     assert handle.remote.state is RemoteState.RECOMPUTING
     assert harness.take() == [("p0", "AbortRequests"), ("d0", "ResumeLocally")]
 
@@ -338,7 +337,7 @@ def test_reservation_refused_for_capacity_retries_until_its_deadline():
 def test_state_deadlines_end_or_recompute(harness):
     handle = start_remote(harness, "slow-reserve")
     now = time.monotonic()
-    harness.router._check_deadlines(now + harness.router.routing.reserve_timeout_s + 1)
+    harness.router.recovery.check_deadlines(now + harness.router.routing.reserve_timeout_s + 1)
     (exc,) = drain(handle)
     assert isinstance(exc, WorkerFailed) and "reserve" in str(exc)
     harness.take()
@@ -346,7 +345,7 @@ def test_state_deadlines_end_or_recompute(harness):
     harness.recv("d0", KVReserved("slow-kv", 0))
     harness.recv("p0", PrefillDone("p0", delta("slow-kv", [7]), 0.1))
     harness.take()
-    harness.router._check_deadlines(time.monotonic() + harness.router.routing.kv_timeout_s + 1)
+    harness.router.recovery.check_deadlines(time.monotonic() + harness.router.routing.kv_timeout_s + 1)
     assert handle.remote.state is RemoteState.RECOMPUTING
     assert harness.take() == [("d0", "ResumeLocally")]
 

@@ -91,6 +91,9 @@ class ThresholdPolicy:
             raise ValueError(f"prefill_threshold must be >= 1, got {self.prefill_threshold}")
 
     def route(self, request: RouteRequest, workers: ClusterView) -> Route | None:
+        """``local`` below the threshold of uncached tokens (or with prompt logprobs),
+        else ``remote_prefill``, or ``fallback`` with no prefill worker; None when no
+        decode worker accepts."""
         decode, cached = choose_decode(request.prompt_token_ids, workers)
         if decode is None:
             return None

@@ -26,6 +26,7 @@ class WorkerInfo:
 
     @property
     def worker_id(self) -> str:
+        """The id the worker registered under (its zmq identity)."""
         return self.info.worker_id
 
     @property
@@ -54,6 +55,8 @@ class WorkerRegistry:
         self.workers: dict[str, WorkerInfo] = {}
 
     def register(self, msg: RegisterWorker) -> WorkerInfo:
+        """Add a worker, or refresh the registration of one already known (a restart or a
+        re-registration keeps its in-flight set)."""
         worker = self.workers.get(msg.worker_id)
         if worker is None:
             worker = WorkerInfo(msg, time.monotonic())
@@ -63,6 +66,8 @@ class WorkerRegistry:
         return worker
 
     def heartbeat(self, msg: Heartbeat) -> WorkerInfo | None:
+        """Record a worker's reported load and mark it seen; None for an unknown worker
+        (the router then asks it to register again)."""
         worker = self.workers.get(msg.worker_id)
         if worker is not None:
             worker.load = msg
@@ -70,15 +75,19 @@ class WorkerRegistry:
         return worker
 
     def touch(self, worker_id: str) -> None:
+        """Mark a worker seen now (any message from it is a sign of life)."""
         worker = self.workers.get(worker_id)
         if worker is not None:
             worker.last_seen_s = time.monotonic()
 
     def is_alive(self, worker: WorkerInfo, now_s: float | None = None) -> bool:
+        """Whether ``worker`` was seen within ``max_missed_heartbeats`` periods of
+        ``now_s`` (``time.monotonic()`` seconds; default now)."""
         now_s = time.monotonic() if now_s is None else now_s
         return now_s - worker.last_seen_s <= self.heartbeat_interval_s * self.max_missed_heartbeats
 
     def alive(self, role: str | None = None) -> list[WorkerInfo]:
+        """Alive workers, of ``role`` ("prefill" / "decode") or all."""
         now = time.monotonic()
         return [w for w in self.workers.values()
                 if self.is_alive(w, now) and (role is None or w.info.role == role)]

@@ -28,9 +28,9 @@ decode worker D. The router drives it through these states (the messages are in
 Every (state, event) pair not in :data:`TRANSITIONS` is ignored (a late or duplicate
 message). Each state has a deadline (:data:`STATE_DEADLINES`, from the state's entry;
 a self-transition keeps it): past it the router ends the wait (see
-:meth:`pdserve.router.router.Router._check_deadlines`). The request's exits (finished,
+:meth:`pdserve.router.recovery.RequestRecovery.check_deadlines`). The request's exits (finished,
 failed, timed out, worker lost, client gone) are the router's, in one method
-(:meth:`pdserve.router.router.Router._end`).
+(:meth:`pdserve.router.router.Router.end`).
 """
 
 from __future__ import annotations

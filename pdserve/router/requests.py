@@ -17,6 +17,11 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.remote_prefill import RemotePrefill
 
 
+#: How a request leaves the router (:meth:`pdserve.router.router.Router.end`).
+FINISHED, FAILED, TIMED_OUT, WORKER_LOST, CLIENT_GONE, SHUTDOWN = (
+    "finished", "failed", "timed_out", "worker_lost", "client_gone", "shutdown")
+
+
 class NoWorkerAvailable(RuntimeError):
     """No alive worker can take the request now (HTTP 503)."""
 
