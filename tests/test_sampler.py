@@ -1,4 +1,4 @@
-"""Specification tests for the batched sampler (pdserve.engine.sampler)."""
+"""Specification tests for the batched sampler (pdserve.engine.sample)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler, SamplingMetadata, apply_penalties
+from pdserve.engine.sample import Sampler, SamplingMetadata, apply_penalties
 from pdserve.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

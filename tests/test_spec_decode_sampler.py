@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.sampling_metadata import SamplingMetadata
+from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.spec_decode.rejection_sampler import RejectionSampler
 

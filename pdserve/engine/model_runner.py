@@ -24,7 +24,8 @@ from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
 from pdserve.engine.models import get_model_class
 from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from pdserve.engine.sample import Sampler, SamplingMetadata, gather_logprobs
+from pdserve.engine.sample.logprobs import prompt_logprobs, token_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode.rejection_sampler import RejectionSampler
 from pdserve.engine.structured_output import (
@@ -72,10 +73,6 @@ class ModelRunnerOutput:
     num_accepted_tokens: list[int]
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     hidden: "StepHidden | None" = None
-
-
-#: Prompt rows per LM-head call when computing prompt logprobs (bounds ``[rows, vocab]``).
-PROMPT_LOGPROBS_SLICE = 256
 
 
 @dataclass
@@ -381,7 +378,7 @@ class ModelRunner:
         step_hidden = StepHidden(hidden if features is None else features, query_starts,
                                  [s.request.num_computed_tokens for s in sched.scheduled])
         step_masks = masks.result() if masks is not None else None
-        prompt_lps = self._prompt_logprobs(hidden, sched.scheduled, query_starts)
+        prompt_lps = prompt_logprobs(hidden, sched.scheduled, query_starts, self.compute_logits)
         results: dict[str, tuple[list[int], list[TokenLogprob] | None, int, int]] = {}
         if plain:
             results.update(self._sample_plain(hidden, plain, step_masks))
@@ -444,41 +441,6 @@ class ModelRunner:
             return self.fused_decode.compute_logits(hidden)
         return self.model.compute_logits(hidden)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest],
-                         query_starts: list[int]) -> dict[str, list[TokenLogprob]]:
-        """Logprobs of the prompt tokens this step's prefill rows predict.
-
-        Row ``i`` of a request's chunk (position ``p``) scores prompt token ``p + 1`` under
-        the raw model (no penalties, temperature or grammar, as in vLLM). Positions already
-        collected (before a preemption) are skipped. Rows go through the LM head in slices
-        of :data:`PROMPT_LOGPROBS_SLICE` so a long chunk never holds ``[L, vocab]`` logits.
-        """
-        out: dict[str, list[TokenLogprob]] = {}
-        for s, q0 in zip(scheduled, query_starts):
-            req = s.request
-            if not req.needs_prompt_logprobs:
-                continue
-            start = req.num_computed_tokens
-            first = max(start, len(req.prompt_logprobs))
-            last = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)  # exclusive
-            if first >= last:
-                continue
-            k = req.sampling_params.prompt_logprobs
-            items: list[TokenLogprob] = []
-            for a in range(first, last, PROMPT_LOGPROBS_SLICE):
-                b = min(last, a + PROMPT_LOGPROBS_SLICE)
-                logits = self.compute_logits(hidden[q0 + a - start:q0 + b - start])
-                raw = torch.log_softmax(logits.float(), dim=-1)
-                targets = torch.tensor(req.token_ids[a + 1:b + 1], dtype=torch.int64,
-                                       device=raw.device)
-                lp = gather_logprobs(raw, targets, k)
-                vals, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
-                top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
-                items.extend(TokenLogprob(t, v, r, ti, tl) for t, v, r, ti, tl in zip(
-                    req.token_ids[a + 1:b + 1], vals, ranks, top_ids, top_lps))
-            out[req.request_id] = items
-        return out
-
     def _sampling_metadata(self, requests: list, output_token_ids: list[list[int]],
                            vocab_size: int) -> SamplingMetadata:
         return SamplingMetadata.build(
@@ -504,7 +466,7 @@ class ModelRunner:
             smeta.grammar_rows = masks.plain_rows
         out = self.sampler(logits, smeta, self.default_generator)
         tokens = out.sampled_token_ids.tolist()
-        lps = _token_logprobs(reqs, [[t] for t in tokens], out.logprobs)
+        lps = token_logprobs(reqs, [[t] for t in tokens], out.logprobs)
         return {r.request_id: ([t], lp, 0, 0) for r, t, lp in zip(reqs, tokens, lps)}
 
     def _verify_drafts(self, hidden: torch.Tensor, verify: list[tuple[ScheduledRequest, int]],
@@ -543,31 +505,7 @@ class ModelRunner:
                                   device=self.device)
             raw = torch.log_softmax(logits[emit_rows], dim=-1)
             logprobs = gather_logprobs(raw, tokens, smeta.max_num_logprobs)
-        lps = _token_logprobs(reqs, emitted, logprobs)
+        lps = token_logprobs(reqs, emitted, logprobs)
         return {r.request_id: (toks, lp, s.num_spec_tokens, m)
                 for r, (s, _), toks, lp, m in zip(reqs, verify, emitted, lps, num_accepted)}
 
-
-def _token_logprobs(requests: list, emitted: list[list[int]],
-                    lp: LogprobsTensors | None) -> list[list[TokenLogprob] | None]:
-    """Per request, TokenLogprob objects for its emitted tokens (rows in emission order)."""
-    out: list[list[TokenLogprob] | None] = []
-    row = 0
-    if lp is not None and lp.sampled_logprobs.device.type != "cpu":
-        lp = LogprobsTensors(*(t.cpu() for t in (
-            lp.sampled_logprobs, lp.sampled_ranks, lp.top_token_ids, lp.top_logprobs)))
-    for req, tokens in zip(requests, emitted):
-        k = req.sampling_params.logprobs
-        if k is None or lp is None:
-            out.append(None)
-            row += len(tokens)
-            continue
-        items = []
-        for token_id in tokens:
-            items.append(TokenLogprob(
-                token_id=token_id, logprob=float(lp.sampled_logprobs[row]),
-                rank=int(lp.sampled_ranks[row]), top_token_ids=lp.top_token_ids[row, :k].tolist(),
-                top_logprobs=lp.top_logprobs[row, :k].tolist()))
-            row += 1
-        out.append(items)
-    return out

@@ -32,7 +32,7 @@ from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.loader.checkpoint import load_checkpoint
 from pdserve.engine.loader.default_model import resolve_model
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_metadata import SamplingMetadata
+from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.spec_decode.proposer import max_num_drafts
 from pdserve.engine.spec_decode.rejection_sampler import truncated_probs

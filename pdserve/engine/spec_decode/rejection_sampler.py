@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.logits_processors import apply_min_p, apply_top_k_top_p
-from pdserve.engine.sampling_metadata import SamplingMetadata
+from pdserve.engine.sample.logits_processors import apply_min_p, apply_top_k_top_p
+from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 
 #: Fills ``RejectionSamplerOutput.output_token_ids`` past each request's emitted tokens.

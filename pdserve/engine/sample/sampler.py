@@ -26,29 +26,21 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.logits_processors import apply_min_p, apply_penalties, apply_top_k_top_p
-from pdserve.engine.sampling_metadata import PenaltyTensors, SamplingMetadata
+from pdserve.engine.sample.logits_processors import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
+from pdserve.engine.sample.logprobs import LogprobsTensors, gather_logprobs
+from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.structured_output.backend import apply_token_bitmask
-
-__all__ = [
-    "LogprobsTensors", "PenaltyTensors", "Sampler", "SamplerOutput", "SamplingMetadata",
-    "apply_min_p", "apply_penalties", "apply_top_k_top_p", "gather_logprobs",
-]
-
-
-@dataclass
-class LogprobsTensors:
-    """Logprobs of the model's raw distribution (see the module NOTE)."""
-
-    sampled_logprobs: torch.Tensor  # [B] fp32, logprob of the sampled token
-    sampled_ranks: torch.Tensor  # [B] int64, 1 + number of tokens strictly more likely
-    top_token_ids: torch.Tensor  # [B, K] int64, most likely first (K may be 0)
-    top_logprobs: torch.Tensor  # [B, K] fp32, descending
 
 
 @dataclass
 class SamplerOutput:
+    """One token per row, plus the raw distribution's logprobs when a row asked."""
+
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs
 
@@ -134,14 +126,9 @@ class Sampler:
             logits[metadata.min_tokens_row_ids, metadata.min_tokens_token_ids] = float("-inf")
         if metadata.penalties is not None:
             p = metadata.penalties
-            logits = apply_penalties(
-                logits,
-                p.prompt_token_ids,
-                p.output_token_ids,
-                p.presence_penalties,
-                p.frequency_penalties,
-                p.repetition_penalties,
-            )
+            logits = apply_penalties(logits, p.prompt_token_ids, p.output_token_ids,
+                                     p.presence_penalties, p.frequency_penalties,
+                                     p.repetition_penalties)
         return logits
 
     @staticmethod
@@ -172,16 +159,3 @@ class Sampler:
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return probs.div_(noise).argmax(dim=-1)
 
-
-def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
-                    num_top: int) -> LogprobsTensors:
-    """Logprobs of the sampled ``[B]`` int64 tokens and the ``num_top`` best, from ``[B, V]`` fp32."""
-    sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
-    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
-    top_logprobs, top_token_ids = raw_logprobs.topk(num_top, dim=-1)
-    return LogprobsTensors(
-        sampled_logprobs=sampled_logprobs.squeeze(1),
-        sampled_ranks=ranks,
-        top_token_ids=top_token_ids,
-        top_logprobs=top_logprobs,
-    )

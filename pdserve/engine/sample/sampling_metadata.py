@@ -69,16 +69,10 @@ class SamplingMetadata:
         )
 
     @classmethod
-    def build(
-        cls,
-        params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
-        eos_token_id: int | None,
-        vocab_size: int,
-        device: torch.device,
-    ) -> SamplingMetadata:
+    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
+              eos_token_id: int | None, vocab_size: int,
+              device: torch.device) -> SamplingMetadata:
         """Gathers per-request parameters into batched tensors on ``device``.
 
         Args:
@@ -95,17 +89,8 @@ class SamplingMetadata:
         Raises:
             ValueError: list lengths differ, or a ``logit_bias`` token id is >= vocab_size.
         """
-        num_rows = len(params)
-        for name, values in (
-            ("prompt_token_ids", prompt_token_ids),
-            ("output_token_ids", output_token_ids),
-            ("generators", generators),
-        ):
-            if len(values) != num_rows:
-                raise ValueError(f"{name} has {len(values)} rows, params has {num_rows}")
-        if vocab_size < 1:
-            raise ValueError(f"vocab_size must be at least 1, got {vocab_size}")
-
+        _check_shapes(len(params), vocab_size, prompt_token_ids=prompt_token_ids,
+                      output_token_ids=output_token_ids, generators=generators)
         is_greedy = [p.is_greedy for p in params]
         temperature = [0.0 if g else p.temperature for p, g in zip(params, is_greedy)]
         top_k, top_p, min_p = _build_truncation(params, is_greedy, vocab_size, device)
@@ -114,27 +99,26 @@ class SamplingMetadata:
         requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=_to_tensor(temperature, torch.float32, device),
-            all_greedy=all(is_greedy),
-            all_random=not any(is_greedy),
-            vocab_size=vocab_size,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            generators={
-                row: gen
-                for row, (gen, greedy) in enumerate(zip(generators, is_greedy))
-                if gen is not None and not greedy
-            },
-            penalties=_build_penalties(
-                params, prompt_token_ids, output_token_ids, vocab_size, device
-            ),
-            logit_bias_row_ids=bias[0],
-            logit_bias_token_ids=bias[1],
-            logit_bias_values=bias[2],
-            min_tokens_row_ids=suppressed[0],
-            min_tokens_token_ids=suppressed[1],
+            all_greedy=all(is_greedy), all_random=not any(is_greedy), vocab_size=vocab_size,
+            top_k=top_k, top_p=top_p, min_p=min_p,
+            generators={row: gen for row, (gen, greedy) in enumerate(zip(generators, is_greedy))
+                        if gen is not None and not greedy},
+            penalties=_build_penalties(params, prompt_token_ids, output_token_ids, vocab_size,
+                                       device),
+            logit_bias_row_ids=bias[0], logit_bias_token_ids=bias[1], logit_bias_values=bias[2],
+            min_tokens_row_ids=suppressed[0], min_tokens_token_ids=suppressed[1],
             max_num_logprobs=max(requested_logprobs) if requested_logprobs else None,
         )
+
+
+def _check_shapes(num_rows: int, vocab_size: int, **per_row: list) -> None:
+    """Raises ValueError unless every ``per_row`` list has ``num_rows`` entries and the
+    vocabulary is not empty."""
+    for name, values in per_row.items():
+        if len(values) != num_rows:
+            raise ValueError(f"{name} has {len(values)} rows, params has {num_rows}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be at least 1, got {vocab_size}")
 
 
 def _to_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
