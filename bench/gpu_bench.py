@@ -254,7 +254,7 @@ def check_kernels(device: torch.device) -> bool:
 def bench_model(name: str, device: torch.device, rates: Rates) -> None:
     """Decode latency (eager, CUDA graph), prefill tokens/s, FP8 vs bf16 KV for one shape."""
     from pdserve.engine.attention import AttentionInputs
-    from pdserve.engine.cuda_graphs import CUDAGraphRunner
+    from pdserve.engine.compiled.cuda_graphs import CUDAGraphRunner
 
     arch, model = build_model(name, device)
     wbytes = weight_bytes(model)

@@ -1,4 +1,4 @@
-"""The fused CPU decode kernel (pdserve.engine.kernels.cpu_decode, pdserve.engine.fused_decode):
+"""The fused CPU decode kernel (pdserve.engine.kernels.cpu_decode, pdserve.engine.compiled.fused_decode):
 its GEMVs against double-precision references, its decoder stack against the eager model
 for each tiny architecture, and speculative decoding staying lossless through it."""
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.cuda_graphs import (
+from pdserve.engine.compiled.cuda_graphs import (
     DEFAULT_DECODE_BUCKETS,
     CUDAGraphRunner,
     bucket_for,

@@ -46,7 +46,7 @@ class EngineConfig:
     them: 2 GiB on CPU, 85 % of free memory on CUDA. ``kv_cache_dtype="fp8"`` stores K/V as
     FP8 e4m3 (about half the bytes of bf16, so about twice the blocks for the same budget).
     ``enforce_eager`` runs every step through the eager model: no CUDA graphs for decode on
-    CUDA, no fused decode kernel on CPU (:mod:`pdserve.engine.fused_decode`).
+    CUDA, no fused decode kernel on CPU (:mod:`pdserve.engine.compiled.fused_decode`).
 
     ``quantization`` (None: as the checkpoint declares) names a weight quantization method
     of :mod:`pdserve.engine.quantization`; ``quantization_skip`` lists layer name patterns

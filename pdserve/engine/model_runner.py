@@ -19,7 +19,8 @@ from pdserve.engine.config import (
     EngineConfig,
     ModelArchConfig,
 )
-from pdserve.engine.fused_decode import FusedCpuDecode
+from pdserve.engine.compiled.cuda_graphs import CUDAGraphRunner
+from pdserve.engine.compiled.fused_decode import FusedCpuDecode
 from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
 from pdserve.engine.models import get_model_class
@@ -197,23 +198,12 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
-        self.cuda_graphs = self._capture_cuda_graphs()
+        self.cuda_graphs = CUDAGraphRunner.build(self.model, self.kv_caches, config,
+                                                 self.backend.name, max_model_len)
         #: decode steps of few tokens as one fused CPU call (None: the eager model runs)
         self.fused_decode = (None if config.enforce_eager else FusedCpuDecode.build(
             self.model, self.kv_cache, self.block_size, self.dtype, self.device,
             int8_lm_head=config.quantization == "gguf"))
-
-    def _capture_cuda_graphs(self):
-        """Decode CUDA graphs (CUDA + Triton backend, unless ``enforce_eager``), else None."""
-        if (self.device.type != "cuda" or self.config.enforce_eager
-                or self.backend.name != "triton"):
-            return None
-        from pdserve.engine.cuda_graphs import CUDAGraphRunner  # noqa: PLC0415 (CUDA only)
-
-        graphs = CUDAGraphRunner(self.model, self.kv_caches, self.config.max_num_seqs,
-                                 self.max_model_len, self.block_size, self.device)
-        graphs.capture()
-        return graphs
 
     @property
     def is_fp8_kv_cache(self) -> bool:

@@ -10,7 +10,7 @@ prefill kernel, both reading their whole context from the paged cache::
 Metadata is tensors only (block tables, lengths, offsets, store segments), built once per
 step on the host and copied to the device in one go; nothing in :meth:`forward` reads a
 device value on the host, so a decode-only step can be captured in a CUDA graph
-(:mod:`pdserve.engine.cuda_graphs`) with static buffers behind these tensors.
+(:mod:`pdserve.engine.compiled.cuda_graphs`) with static buffers behind these tensors.
 """
 
 from __future__ import annotations

@@ -196,7 +196,6 @@ class FusedCpuDecode:
                              f"(0 .. {self.decoder.num_layers() - 1})")
         return (hidden, aux) if aux_layer_ids else hidden
 
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [rows, hidden_size] -> logits [rows, vocab_size]`` fp32, what
         :meth:`LlamaForCausalLM.compute_logits` returns (bf16 values); up to

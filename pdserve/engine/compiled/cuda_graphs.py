@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.attention.triton_backend import TritonAttentionMetadata, block_table_tensor
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels import PAD_SLOT_ID
 
 #: Batch sizes that get a graph (those up to ``max_num_seqs`` are captured, plus that one).
@@ -69,6 +70,7 @@ class DecodeBatch:
 
     @property
     def bucket(self) -> int:
+        """Rows after padding (real decodes plus padding rows)."""
         return self.input_ids.numel()
 
 
@@ -130,6 +132,19 @@ class CUDAGraphRunner:
         self._no_prefill_cu = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, kv_caches: list, config: EngineConfig,
+              backend_name: str, max_model_len: int) -> "CUDAGraphRunner | None":
+        """The captured decode graphs for ``model``, or None where they do not apply: not a
+        CUDA device, an attention backend other than Triton, or ``enforce_eager``."""
+        device = config.torch_device
+        if device.type != "cuda" or config.enforce_eager or backend_name != "triton":
+            return None
+        graphs = cls(model, kv_caches, config.max_num_seqs, max_model_len, config.block_size,
+                     device)
+        graphs.capture()
+        return graphs
 
     def metadata(self, bucket: int) -> TritonAttentionMetadata:
         """Attention metadata over the static buffers' first ``bucket`` rows (no prefills)."""
