@@ -211,7 +211,7 @@ def test_fused_perplexity_matches_the_eager_model(quantization, bound):
     values are not bf16 numbers). For int4 the int8 activations (GGML's Q4_1 x Q8_1
     scheme) add about 0.5 %; gguf (the file's Q4_1 blocks as they are, its Q8_0 LM head as
     per-channel int8) fused 44.53 against eager 44.43 / 44.31."""
-    from pdserve.engine.perplexity import held_text, perplexity
+    from pdserve.offline.perplexity import held_text, perplexity
 
     llm = LLM(None, dtype="bfloat16", load_progress=False, quantization=quantization,
               num_kv_blocks=64, max_model_len=1024)

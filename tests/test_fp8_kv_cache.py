@@ -9,8 +9,8 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.perplexity import held_text, perplexity
 from pdserve.fp8 import dequantize_blocks, quantize_blocks
+from pdserve.offline.perplexity import held_text, perplexity
 from test_engine_equivalence import make_prompts
 
 

@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 from pdserve.engine import LLMEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.layers.linear import Fp32GemmLinear
-from pdserve.engine.perplexity import perplexity
 from pdserve.engine.quantization.int_layouts import (
     pack_awq,
     pack_compressed_tensors,
@@ -27,6 +26,7 @@ from pdserve.engine.quantization.int_layouts import (
 )
 from pdserve.engine.quantization.int_linear import IntLinear
 from pdserve.engine.quantization.int_weight import IntWeight, quantize_rtn
+from pdserve.offline.perplexity import perplexity
 from pdserve.offline.quantize.writer import quantization_config
 from conftest import build_tiny_checkpoint
 

@@ -2,7 +2,7 @@
 
 Reference: the default model dequantized to bf16 (its GGUF is Q4_1; the cached folder holds
 those values in fp32). Perplexity is on the first 512 tokens of the held Brown text ``cg22``
-(:func:`pdserve.engine.perplexity.held_text`), which calibration never sees. Weight bytes are
+(:func:`pdserve.offline.perplexity.held_text`), which calibration never sees. Weight bytes are
 those of the quantized layers' packed weights, scales and zeros, against the same layers in
 bf16.
 """
@@ -20,7 +20,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.loader.default_model import find_default_gguf
-from pdserve.engine.perplexity import held_text, perplexity
+from pdserve.offline.perplexity import held_text, perplexity
 from server_utils import ServerProcess
 
 pytestmark = pytest.mark.skipif(find_default_gguf() is None,

