@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from pdserve.messages import Heartbeat
 
 
 @dataclass(frozen=True)
@@ -60,9 +64,17 @@ class WorkerCollector:
 
     def collect(self) -> Iterator[Metric]:
         """One family per series, read from the worker now (called on each scrape)."""
+        load = self.worker.load()
+        kv = self.worker.kv_transfer_totals()
+        yield from self._engine_series(load)
+        yield from self._kv_transfer_series(kv)
+        yield from self._spec_decode_series(load)
+        yield from self._structured_output_series()
+
+    def _engine_series(self, load: Heartbeat) -> Iterator[Metric]:
+        """Registration, the scheduler's queues, the KV cache, token counts and the prefix
+        cache: the series the API server also has."""
         w = self.worker
-        load = w.load()
-        kv = w.kv_transfer_totals()
         yield self._gauge("pdserve:worker_registered", "1 once the router acknowledged this "
                           "worker's registration.", float(w.is_registered))
         yield self._gauge("pdserve:num_requests_running", "Requests in model execution "
@@ -86,6 +98,10 @@ class WorkerCollector:
         yield self._counter("pdserve:worker_requests_finished", "Requests this worker "
                             "finished (prefills, for a prefill worker).",
                             load.num_requests_served)
+
+    def _kv_transfer_series(self, kv: KVTransferTotals) -> Iterator[Metric]:
+        """Bytes and transfers pushed or received, failures, refused connections and
+        dropped messages (zero where the role does not transfer)."""
         yield self._counter("pdserve:kv_transfer_bytes_sent", "KV bytes pushed to decode "
                             "workers.", kv.num_bytes_sent)
         yield self._counter("pdserve:kv_transfer_bytes_received", "KV bytes received from "
@@ -100,6 +116,10 @@ class WorkerCollector:
         yield self._counter("pdserve:kv_messages_dropped", "KV messages dropped unread: no "
                             "blocks reserved for their request, or larger than that.",
                             kv.num_dropped_kv_messages)
+
+    def _spec_decode_series(self, load: Heartbeat) -> Iterator[Metric]:
+        """Drafts and draft tokens verified and accepted, the accepted ones also by draft
+        position (one ``position`` label per position)."""
         yield self._counter("pdserve:spec_decode_num_drafts", "Speculative drafts verified.",
                             load.num_spec_drafts)
         yield self._counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens verified.",
@@ -113,7 +133,10 @@ class WorkerCollector:
         for pos, count in enumerate(load.num_spec_accepted_tokens_per_pos):
             per_pos.add_metric(self.label_values + [str(pos)], count)
         yield per_pos
-        grammar = w.engine.structured_output
+
+    def _structured_output_series(self) -> Iterator[Metric]:
+        """Time and steps spent on grammar masks, and constrained requests by kind."""
+        grammar = self.worker.engine.structured_output
         yield self._counter("pdserve:grammar_mask_seconds", "Time spent filling grammar "
                             "token masks (structured outputs), in seconds.", grammar.mask_s)
         yield self._counter("pdserve:grammar_mask_steps", "Engine steps that filled grammar "
