@@ -23,6 +23,8 @@ MAX_QUEUED_MESSAGES = 64
 
 
 class InprocTransport:
+    """Transport over in-memory queues, one per receiver address, for tests and
+    colocated workers; addresses are ``inproc://kv-N``."""
     name = "inproc"
 
     def __init__(self) -> None:
@@ -31,6 +33,8 @@ class InprocTransport:
         self._next_id = itertools.count()
 
     def create_receiver(self, config: KVReceiverConfig) -> InprocReceiver:
+        """A receiver at ``config.address`` (default: a fresh ``inproc://kv-N``); ValueError
+        if that address already has one."""
         address = config.address or f"inproc://kv-{next(self._next_id)}"
         with self._lock:
             if address in self._queues:
@@ -40,6 +44,8 @@ class InprocTransport:
         return InprocReceiver(address, q, config, on_close=lambda: self._remove(address))
 
     def create_sender(self, address: str, *, timeout_s: float) -> InprocSender:
+        """A sender to the receiver at ``address``; KVTransferTimeout at once if there is
+        none (nothing to wait for in-process)."""
         with self._lock:
             q = self._queues.get(address)
         if q is None:
@@ -47,6 +53,7 @@ class InprocTransport:
         return InprocSender(q)
 
     def close(self) -> None:
+        """Forget every receiver's queue; later senders find no receiver."""
         with self._lock:
             self._queues.clear()
 
@@ -56,11 +63,14 @@ class InprocTransport:
 
 
 class InprocSender:
+    """Puts copies of each message on one receiver's queue."""
     def __init__(self, q: queue.Queue) -> None:
         self._queue = q
 
     def send_nowait(self, header: KVHeader, buffers: Sequence, *,
                     timeout_s: float) -> CompletedSend:
+        """Copy the header and both buffers into the receiver's queue; the handle is done
+        at once. Raises KVTransferTimeout if the queue stays full for ``timeout_s``."""
         payload, scales = check_send_buffers(header, buffers)
         item = (encode_header(header), bytes(payload), bytes(scales))
         try:
@@ -71,13 +81,16 @@ class InprocSender:
         return CompletedSend()  # the bytes were copied: the buffers are free already
 
     def send(self, header: KVHeader, buffers: Sequence, *, timeout_s: float) -> None:
+        """The same as :meth:`send_nowait`: the copy is the whole send."""
         send_within(self, header, buffers, timeout_s)
 
     def close(self) -> None:
+        """Nothing to release: the queue belongs to the receiver."""
         pass
 
 
 class InprocReceiver:
+    """Takes messages off its queue and copies each into a staging buffer."""
     def __init__(self, address: str, q: queue.Queue, config: KVReceiverConfig,
                  on_close) -> None:
         self._address = address
@@ -87,9 +100,13 @@ class InprocReceiver:
 
     @property
     def address(self) -> str:
+        """The ``inproc://`` address senders pass to ``create_sender``."""
         return self._address
 
     def recv(self, *, timeout_s: float) -> ReceivedKV:
+        """The next queued message, copied into a free staging buffer. Raises
+        KVTransferTimeout, KVFormatError (parts disagree with the header), RuntimeError
+        (every staging buffer is held)."""
         self._staging.check_free()
         try:
             header_bytes, payload, scales = self._queue.get(timeout=timeout_s)
@@ -106,4 +123,5 @@ class InprocReceiver:
         return self._staging.received(header, index, payload_view, scales_view)
 
     def close(self) -> None:
+        """Remove this receiver's address from the transport."""
         self._on_close()

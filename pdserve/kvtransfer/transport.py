@@ -82,7 +82,9 @@ class ReceivedKV:
 class KVSendHandle(Protocol):
     """An in-flight send; the caller must keep its buffers untouched until done."""
 
-    def done(self) -> bool: ...
+    def done(self) -> bool:
+        """Whether the buffers may be reused (never blocks)."""
+        ...
 
     def wait(self, *, timeout_s: float) -> None:
         """Block until the buffers may be reused; raises KVTransferTimeout."""
@@ -104,16 +106,20 @@ class KVSender(Protocol):
         """``send_nowait(...).wait(...)`` within one deadline of ``timeout_s``."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Drop the connection (what the caller must do after a send timed out)."""
+        ...
 
 
 class CompletedSend:
     """The handle of a send that finished before send_nowait returned."""
 
     def done(self) -> bool:
+        """Always True: nothing is in flight."""
         return True
 
     def wait(self, *, timeout_s: float) -> None:
+        """Returns at once."""
         pass
 
 
@@ -126,6 +132,9 @@ def send_within(sender: KVSender, header: KVHeader, buffers: Sequence,
 
 
 class KVReceiver(Protocol):
+    """Listens at one address and receives from any number of senders into its staging
+    buffers (see the module's NOTE on buffer ownership)."""
+
     @property
     def address(self) -> str:
         """What a sender passes to ``create_sender`` (resolved, e.g. the bound port)."""
@@ -135,17 +144,29 @@ class KVReceiver(Protocol):
         """The next message from any sender. Raises KVTransferTimeout, KVFormatError."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop listening; messages not yet received are lost."""
+        ...
 
 
 class KVTransport(Protocol):
+    """A transport's process-wide resources; makes receivers and senders (module doc).
+    Implementations are looked up by ``name`` in :data:`TRANSPORTS`."""
+
     name: str
 
-    def create_receiver(self, config: KVReceiverConfig) -> KVReceiver: ...
+    def create_receiver(self, config: KVReceiverConfig) -> KVReceiver:
+        """A receiver listening at ``config.address`` (None: the transport's default)."""
+        ...
 
-    def create_sender(self, address: str, *, timeout_s: float) -> KVSender: ...
+    def create_sender(self, address: str, *, timeout_s: float) -> KVSender:
+        """A sender connected to the receiver at ``address``; raises KVTransferTimeout
+        when it cannot connect within ``timeout_s``."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the transport's resources; its senders and receivers stop working."""
+        ...
 
 
 #: Largest KV message a decode worker receives (bytes); senders split a request's layers
@@ -228,6 +249,7 @@ class StagingBuffers:
                 buf[scales_start: scales_start + header.scale_bytes])
 
     def release(self, index: int) -> None:
+        """Give buffer ``index`` back to the free list (once per acquire)."""
         with self._lock:
             assert index not in self._free, "staging buffer released twice"
             self._free.append(index)

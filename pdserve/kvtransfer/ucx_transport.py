@@ -135,12 +135,15 @@ class UcxTransport:
         self.ctx.clear_progress_tasks()
 
     def create_receiver(self, config: KVReceiverConfig) -> UcxReceiver:
+        """A receiver bootstrapping senders at ``config.address``, receiving ahead."""
         return UcxReceiver(self, config)
 
     def create_sender(self, address: str, *, timeout_s: float) -> UcxSender:
+        """A sender with an endpoint to the receiver at ``address``, within ``timeout_s``."""
         return UcxSender(self, address, timeout_s)
 
     def close(self) -> None:
+        """Stop UCX progress, the zmq contexts and the loop thread (idempotent)."""
         if self._is_closed:
             return
         self._is_closed = True
@@ -158,6 +161,7 @@ class UcxTransport:
 
 
 class UcxSender:
+    """One UCX endpoint to one receiver; each message is three tagged sends (module doc)."""
     def __init__(self, transport: UcxTransport, address: str, timeout_s: float) -> None:
         self._transport = transport
         self._address = address
@@ -181,6 +185,7 @@ class UcxSender:
 
     def send_nowait(self, header: KVHeader, buffers: Sequence, *,
                     timeout_s: float) -> UcxSendHandle:
+        """Start the sends on the loop thread; KVTransferError once an earlier one failed."""
         if self._is_broken:
             raise KVTransferError(f"UCX sender to {self._address} failed or timed out "
                                   "earlier; close it")
@@ -193,6 +198,7 @@ class UcxSender:
                                            f"{self._address}")
 
     def send(self, header: KVHeader, buffers: Sequence, *, timeout_s: float) -> None:
+        """Send and wait until UCX is done with both buffers, within ``timeout_s``."""
         send_within(self, header, buffers, timeout_s)
 
     async def _send(self, frame: bytes, payload: memoryview, scales: memoryview,
@@ -208,12 +214,14 @@ class UcxSender:
         self._is_broken = True
 
     def close(self) -> None:
+        """Abort the endpoint on the loop thread (idempotent)."""
         ep, self._ep = self._ep, None
         if ep is not None:
             self._transport.call_soon(ep.abort)
 
 
 class UcxSendHandle:
+    """An in-flight UCX send; a failure or timeout marks its sender broken."""
     def __init__(self, future: concurrent.futures.Future, sender: UcxSender,
                  what: str) -> None:
         self._future = future
@@ -221,9 +229,12 @@ class UcxSendHandle:
         self._what = what
 
     def done(self) -> bool:
+        """Whether the sends finished (successfully or not)."""
         return self._future.done()
 
     def wait(self, *, timeout_s: float) -> None:
+        """Block until the buffers may be reused; on KVTransferTimeout or KVTransferError
+        (UCX failed) the sender refuses further sends."""
         try:
             self._future.result(timeout_s)
         except concurrent.futures.TimeoutError:
@@ -256,9 +267,11 @@ class UcxReceiver:
 
     @property
     def address(self) -> str:
+        """The bootstrap endpoint senders connect to, with the port resolved."""
         return self._address
 
     def recv(self, *, timeout_s: float) -> ReceivedKV:
+        """The next message received ahead (arrival order); a receive error raises here."""
         with self._lock:
             if self._num_held >= self._num_buffers:
                 raise RuntimeError(f"all {self._num_buffers} receive buffers are held; "
@@ -275,6 +288,7 @@ class UcxReceiver:
         return item
 
     def close(self) -> None:
+        """Stop the bootstrap and receive tasks on the loop thread."""
         if self._tasks:
             self._transport.run(self._stop(), timeout_s=10.0, what="UCX receiver close")
 

@@ -66,6 +66,7 @@ class KVHeader(msgspec.Struct, frozen=True):
 
     @property
     def num_layers(self) -> int:
+        """Layers this message carries (``layer_end - layer_start``)."""
         return self.layer_end - self.layer_start
 
     @property
@@ -81,6 +82,7 @@ class KVHeader(msgspec.Struct, frozen=True):
 
     @property
     def num_message_bytes(self) -> int:
+        """Payload plus scale bytes: what a receiver's staging buffer must hold."""
         return self.payload_bytes + self.scale_bytes
 
 
@@ -89,6 +91,7 @@ _header_decoder = msgspec.msgpack.Decoder(KVHeader)
 
 
 def encode_header(header: KVHeader) -> bytes:
+    """The header as msgpack bytes (the first frame of a message)."""
     return _header_encoder.encode(header)
 
 
@@ -145,6 +148,7 @@ class EncodedKV:
 
     @property
     def buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(payload, scales)``, the order every sender takes them in."""
         return (self.payload, self.scales)
 
 
@@ -205,6 +209,7 @@ class DecodedKV:
 
     @property
     def is_fp8(self) -> bool:
+        """Whether the values are fp8_e4m3 codes with scales (else the native dtype)."""
         return self.scales is not None
 
     def to_dtype(self, dtype: torch.dtype) -> torch.Tensor:

@@ -51,11 +51,15 @@ class ZmqTransport:
         self.gate: PeerGate | None = None
 
     def create_receiver(self, config: KVReceiverConfig) -> ZmqReceiver:
+        """A PULL receiver bound at ``config.address`` (default: an ephemeral loopback
+        port); with keys, the first one starts the ZAP gate."""
         if self._keys is not None and self.gate is None:
             self.gate = PeerGate(self._ctx, self._keys)
         return ZmqReceiver(self._ctx, config, self._keys, self.gate)
 
     def create_sender(self, address: str, *, timeout_s: float) -> ZmqSender:
+        """A PUSH sender connected to ``address``; waits up to ``timeout_s`` for the
+        connection, then raises KVTransferTimeout."""
         return ZmqSender(self._ctx, address, timeout_s, self._keys)
 
     @property
@@ -64,12 +68,15 @@ class ZmqTransport:
         return 0 if self.gate is None else self.gate.num_refused
 
     def close(self) -> None:
+        """Stop the gate and destroy the context (each socket lingers up to
+        :data:`LINGER_MS` to flush)."""
         if self.gate is not None:
             self.gate.stop()
         self._ctx.destroy(linger=LINGER_MS)
 
 
 class ZmqSender:
+    """A PUSH socket connected to one receiver; sends payload and scales zero-copy."""
     def __init__(self, ctx: zmq.Context, address: str, timeout_s: float,
                  keys: ClusterKeys | None = None) -> None:
         self._sock = ctx.socket(zmq.PUSH)
@@ -89,6 +96,9 @@ class ZmqSender:
 
     def send_nowait(self, header: KVHeader, buffers: Sequence, *,
                     timeout_s: float) -> ZmqSendHandle:
+        """Queue the three frames and return a handle tracking the two zero-copy ones.
+        Raises KVTransferTimeout when the socket is not writable within ``timeout_s``
+        (the receiver's queue is full or it went away), KVFormatError."""
         payload, scales = check_send_buffers(header, buffers)
         if not self._sock.poll(_ms(timeout_s), zmq.POLLOUT):
             raise KVTransferTimeout(f"zmq send of {header.request_id!r} to {self._address}: "
@@ -101,9 +111,11 @@ class ZmqSender:
                                        f"{self._address}")
 
     def send(self, header: KVHeader, buffers: Sequence, *, timeout_s: float) -> None:
+        """Send and wait until zmq has released both buffers, within ``timeout_s``."""
         send_within(self, header, buffers, timeout_s)
 
     def close(self) -> None:
+        """Close the socket, flushing queued messages for up to :data:`LINGER_MS`."""
         self._sock.close()
 
 
@@ -115,9 +127,12 @@ class ZmqSendHandle:
         self._what = what
 
     def done(self) -> bool:
+        """Whether both buffers may be reused."""
         return all(t.done for t in self._trackers)
 
     def wait(self, *, timeout_s: float) -> None:
+        """Block until both buffers are released; KVTransferTimeout after ``timeout_s``
+        (then close the sender: zmq may still read the buffers)."""
         deadline = time.monotonic() + timeout_s
         for tracker in self._trackers:
             try:
@@ -128,6 +143,8 @@ class ZmqSendHandle:
 
 
 class ZmqReceiver:
+    """A bound PULL socket receiving each message's frames straight into a staging
+    buffer."""
     def __init__(self, ctx: zmq.Context, config: KVReceiverConfig,
                  keys: ClusterKeys | None = None, gate: PeerGate | None = None) -> None:
         self._sock = ctx.socket(zmq.PULL)
@@ -143,9 +160,13 @@ class ZmqReceiver:
 
     @property
     def address(self) -> str:
+        """The bound endpoint, with the port resolved (e.g. ``tcp://127.0.0.1:40123``)."""
         return self._address
 
     def recv(self, *, timeout_s: float) -> ReceivedKV:
+        """The next message from any sender. A malformed or oversized message is drained
+        and raises KVFormatError; RuntimeError if every staging buffer is held;
+        KVTransferTimeout if nothing arrives within ``timeout_s``."""
         self._staging.check_free()
         if not self._sock.poll(_ms(timeout_s), zmq.POLLIN):
             raise KVTransferTimeout(f"no KV message at {self._address} within {timeout_s} s")
@@ -169,6 +190,7 @@ class ZmqReceiver:
         return self._staging.received(header, index, payload, scales)
 
     def close(self) -> None:
+        """Close the socket at once, dropping messages not yet received."""
         self._sock.close()
 
     def _recv_frame_into(self, view: memoryview, what: str, *, more: bool) -> None:
