@@ -32,6 +32,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def served_model_name(model: str | None, path: Path) -> str:
+    """The name clients send as ``model`` when ``--served-model-name`` is not given:
+    the default model's name, else the checkpoint folder's name or the .gguf file's stem."""
     from pdserve.engine.loader import DEFAULT_MODEL
 
     if model in (None, "default", DEFAULT_MODEL):

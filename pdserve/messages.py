@@ -209,6 +209,7 @@ class MessageCodec:
         self._to_worker = msgspec.msgpack.Decoder(ToWorker)
 
     def encode(self, msg: ToRouter | ToWorker) -> bytes:
+        """msgpack bytes of a message to either side (its struct tag says which type)."""
         return self._encoder.encode(msg)
 
     def decode_to_router(self, data: bytes) -> ToRouter:

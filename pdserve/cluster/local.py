@@ -61,6 +61,7 @@ class ClusterState:
 
     @property
     def api(self) -> Host:
+        """The API server's namespace (always the first host)."""
         return self.hosts[0]
 
     @property

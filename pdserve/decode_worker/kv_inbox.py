@@ -181,6 +181,8 @@ class KVInbox:
                 del self._partial[rid]
 
     def close(self) -> None:
+        """Stop the receiving thread (waiting up to 2 s for it), then close the receiver
+        and the transport."""
         self._stop.set()
         self._thread.join(timeout=2.0)
         self.receiver.close()

@@ -85,11 +85,15 @@ class DecodeWorker(EngineWorker):
         self.parked: dict[str, ParkedRequest] = {}
 
     def registration_extras(self) -> dict:
+        """The KV receiver's advertised address and transport, so the router can tell
+        prefill workers where to push (none without a transport)."""
         if self.inbox is None:
             return {}
         return {"kv_address": self.inbox.address, "kv_transport": self.kv_transport}
 
     def handle(self, msg) -> None:
+        """Requests to run here, reservations for remotely prefilled ones, their first
+        tokens, and orders to recompute a parked request locally."""
         if isinstance(msg, GenerateRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids,
@@ -147,6 +151,9 @@ class DecodeWorker(EngineWorker):
             self.send(KVTransferFailed(self.worker_id, rid, "format"))
 
     def poll_extra(self) -> None:
+        """Match KV that arrived on the inbox thread with parked requests, and report
+        parked requests whose KV failed or did not come within
+        ``kv_transfer_timeout_s`` of their first token."""
         if self.inbox is not None:
             while True:
                 try:
@@ -174,15 +181,19 @@ class DecodeWorker(EngineWorker):
                 self.send(KVTransferFailed(self.worker_id, rid, "timeout"))
 
     def abort(self, request_id: str) -> None:
+        """Forget a parked request too, so late KV for it is dropped."""
         self.parked.pop(request_id, None)
         super().abort(request_id)
 
     def after_step(self, deltas) -> None:
+        """Send the step's deltas to the router in one :class:`StepOutputs` and count the
+        requests that finished."""
         if deltas:
             self.num_requests_served += sum(d.finished for d in deltas)
             self.send(StepOutputs(self.worker_id, deltas))
 
     def kv_transfer_totals(self) -> KVTransferTotals:
+        """Bytes received, connections refused and messages dropped by the KV inbox."""
         if self.inbox is None:
             return KVTransferTotals()
         return KVTransferTotals(
@@ -191,5 +202,6 @@ class DecodeWorker(EngineWorker):
             num_dropped_kv_messages=self.inbox.num_dropped)
 
     def close(self) -> None:
+        """Stop the KV inbox thread and its transport."""
         if self.inbox is not None:
             self.inbox.close()

@@ -46,6 +46,7 @@ class KVJob:
 
     @property
     def is_last(self) -> bool:
+        """Whether this job holds the request's last layer (its transfer ends here)."""
         total = self.kv.shape[0] if self.num_layers is None else self.num_layers
         return self.layer_start + self.kv.shape[0] >= total
 
@@ -84,6 +85,7 @@ class KVSenderThread:
         self._thread.start()
 
     def submit(self, job: KVJob) -> None:
+        """Queue ``job`` behind the others (returns at once; any thread)."""
         self.jobs.put(job)
 
     def _sender(self, address: str) -> KVSender:
@@ -138,6 +140,8 @@ class KVSenderThread:
                 self._streaming[rid] = (num_bytes, start)
 
     def close(self) -> None:
+        """Push the jobs already queued (waiting up to 5 s), then close every sender
+        and the transport."""
         self.jobs.put(None)
         self._thread.join(timeout=5.0)
         for sender in self._senders.values():

@@ -64,6 +64,8 @@ class PrefillWorker(EngineWorker):
                                  scales=scales))
 
     def handle(self, msg) -> None:
+        """Start a :class:`PrefillRequest` with its KV exported, or report why the
+        engine refused it."""
         if isinstance(msg, PrefillRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids,
@@ -76,10 +78,13 @@ class PrefillWorker(EngineWorker):
             super().handle(msg)
 
     def abort(self, request_id: str) -> None:
+        """Forget a pending prefill too, so none of its KV is pushed."""
         self.pending.pop(request_id, None)
         super().abort(request_id)
 
     def after_step(self, deltas: list[RequestDelta]) -> None:
+        """For each finished prefill: send its first token to the router and queue any KV
+        still to push for the decode worker, unless that token ends the request."""
         for delta in deltas:
             entry = self.pending.pop(delta.request_id, None)
             kv = self.engine.pop_exported_kv(delta.request_id)
@@ -109,11 +114,13 @@ class PrefillWorker(EngineWorker):
         self.send(KVSent(self.worker_id, request_id, num_bytes, seconds, error))
 
     def kv_transfer_totals(self) -> KVTransferTotals:
+        """Bytes pushed and transfers sent or failed, as counted by the sender thread."""
         return KVTransferTotals(num_bytes_sent=self.num_kv_bytes_sent,
                                 num_transfers_sent=self.num_kv_transfers_sent,
                                 num_transfers_failed=self.num_kv_transfers_failed)
 
     def close(self) -> None:
+        """Stop the KV sender thread (it pushes the jobs already queued first, for up to 5 s)."""
         self.sender.close()
 
 
