@@ -87,9 +87,16 @@ class EngineWorker:
         self.draining = False
         self.drain_s = DEFAULT_DRAIN_S
         self.num_requests_served = 0
+        # run()'s clocks (time.monotonic()): its start, the last registration sent, the end
+        # of a drain
+        self._run_started_s = 0.0
+        self._last_register_s = 0.0
+        self._drain_until_s = 0.0
+        self._is_unregistered_warned = False
 
     # -- overridable -----------------------------------------------------------------------
     def registration_extras(self) -> dict:
+        """Role-specific fields added to the :class:`RegisterWorker` message (none here)."""
         return {}
 
     def handle(self, msg) -> None:
@@ -107,6 +114,8 @@ class EngineWorker:
         return KVTransferTotals()
 
     def has_work(self) -> bool:
+        """Whether the engine has unfinished requests: a draining worker stops once it has
+        none, and an idle one hands freed memory back to the OS after a while."""
         return self.engine.has_unfinished_requests
 
     # -- plumbing --------------------------------------------------------------------------
@@ -198,6 +207,7 @@ class EngineWorker:
                                                         "request", is_client_error=False))
 
     def abort(self, request_id: str) -> None:
+        """Drop ``request_id`` from the engine (the router asked, or handling it failed)."""
         self.engine.abort_request(request_id)
 
     def _step(self) -> None:
@@ -218,27 +228,14 @@ class EngineWorker:
         ``draining``, so nothing new is routed to it), finishes its running requests for up
         to :attr:`drain_s` seconds, then stops; a second signal stops it at once.
         """
-        drain_until = [0.0]
-
-        def _stop(signum, frame):  # noqa: ARG001
-            if self.draining or not self.is_registered:
-                self.should_stop = True
-                return
-            self.draining = True
-            drain_until[0] = time.monotonic() + self.drain_s
-            logger.info("%s worker %s draining: finishing %d running requests (up to "
-                        "%.0f s)", self.role, self.worker_id,
-                        len(self.engine.requests), self.drain_s)
-
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, self._on_stop_signal)
+        signal.signal(signal.SIGINT, self._on_stop_signal)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeats.start()
-        last_register = 0.0
-        started = time.monotonic()
-        warned_unregistered = False
+        self._last_register_s = 0.0
+        self._run_started_s = time.monotonic()
         announced = False
         trimmer = IdleTrimmer()
         while not self.should_stop:
@@ -246,34 +243,68 @@ class EngineWorker:
                 self.send(self.load())
                 announced = True
             now = time.monotonic()
-            if not self.is_registered and now - last_register >= REGISTER_RETRY_S:
-                self._register()
-                last_register = now
-                if not warned_unregistered and now - started > REGISTER_WARN_S:
-                    warned_unregistered = True
-                    logger.warning(
-                        "%s worker %s: the router at %s has not answered in %.0f s; is it "
-                        "running and reachable, and do both sides use the same cluster "
-                        "secret (or both --insecure-no-auth)?", self.role, self.worker_id,
-                        self.router_address, now - started)
-            timeout_ms = 0 if self.engine.has_unfinished_requests else int(IDLE_POLL_S * 1000)
-            while poller.poll(timeout_ms):
-                self._handle_raw(self.sock.recv())
-                timeout_ms = 0
+            if not self.is_registered and now - self._last_register_s >= REGISTER_RETRY_S:
+                self._retry_registration(now)
+            self._receive_messages(poller)
             self.poll_extra()
             if self.engine.has_unfinished_requests:
                 self._step()
             else:
                 trimmer.tick(self.has_work(), now)
             self._send_cache_events()
-            if self.draining:
-                if not self.has_work():
-                    break
-                if time.monotonic() > drain_until[0]:
-                    logger.warning("%s worker %s: drain period over with %d requests still "
-                                   "running; stopping", self.role, self.worker_id,
-                                   len(self.engine.requests))
-                    break
+            if self.draining and self._is_drain_over():
+                break
+        self._shut_down(heartbeats)
+
+    def _on_stop_signal(self, signum, frame) -> None:  # noqa: ARG002
+        """SIGTERM/SIGINT: the first starts a drain, a second (or one before the router has
+        acknowledged us) stops at once."""
+        if self.draining or not self.is_registered:
+            self.should_stop = True
+            return
+        self.draining = True
+        self._drain_until_s = time.monotonic() + self.drain_s
+        logger.info("%s worker %s draining: finishing %d running requests (up to "
+                    "%.0f s)", self.role, self.worker_id,
+                    len(self.engine.requests), self.drain_s)
+
+    def _retry_registration(self, now: float) -> None:
+        """Send the registration again; once, after :data:`REGISTER_WARN_S` without an
+        answer, say what usually keeps the router from answering."""
+        self._register()
+        self._last_register_s = now
+        waited_s = now - self._run_started_s
+        if not self._is_unregistered_warned and waited_s > REGISTER_WARN_S:
+            self._is_unregistered_warned = True
+            logger.warning(
+                "%s worker %s: the router at %s has not answered in %.0f s; is it "
+                "running and reachable, and do both sides use the same cluster "
+                "secret (or both --insecure-no-auth)?", self.role, self.worker_id,
+                self.router_address, waited_s)
+
+    def _receive_messages(self, poller: zmq.Poller) -> None:
+        """Handle every message waiting on the router socket; when the engine is idle, wait
+        up to :data:`IDLE_POLL_S` for the first one."""
+        timeout_ms = 0 if self.engine.has_unfinished_requests else int(IDLE_POLL_S * 1000)
+        while poller.poll(timeout_ms):
+            self._handle_raw(self.sock.recv())
+            timeout_ms = 0
+
+    def _is_drain_over(self) -> bool:
+        """Whether a draining worker should stop: nothing left to run, or the drain period
+        is over (said in a warning naming the requests cut short)."""
+        if not self.has_work():
+            return True
+        if time.monotonic() > self._drain_until_s:
+            logger.warning("%s worker %s: drain period over with %d requests still "
+                           "running; stopping", self.role, self.worker_id,
+                           len(self.engine.requests))
+            return True
+        return False
+
+    def _shut_down(self, heartbeats: threading.Thread) -> None:
+        """Leave the cluster: stop the heartbeat thread, release the role's resources, close
+        the router socket and the zmq context."""
         logger.info("%s worker %s stopping", self.role, self.worker_id)
         self.should_stop = True  # ends the heartbeat thread (a drain leaves the loop early)
         self.close()
