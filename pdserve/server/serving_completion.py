@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.server.errors import APIError
 from pdserve.server.generation import ChoiceEvent, Generation, merge_streams
 from pdserve.server.protocol import (
@@ -57,6 +59,11 @@ def prompt_id_lists(state: ServerState, req: CompletionRequest) -> list[list[int
 
 def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offset: int = 0
                         ) -> CompletionLogProbs | None:
+    """Logprobs of generated tokens in the completions shape (``None`` for ``None``).
+
+    ``offset`` is the character offset of the first token's text in the choice's text
+    (the echoed prompt and earlier deltas come before it).
+    """
     if lps is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -96,6 +103,7 @@ def echo_logprobs(tokenizer, prompt_ids: list[int], lps: list[TokenLogprob] | No
 
 def _joined(a: CompletionLogProbs | None, b: CompletionLogProbs | None
             ) -> CompletionLogProbs | None:
+    """``a``'s entries followed by ``b``'s; either alone when the other is ``None``."""
     if a is None or b is None:
         return a or b
     return CompletionLogProbs(text_offset=a.text_offset + b.text_offset,
@@ -117,6 +125,7 @@ async def _merged(gens: list[Generation], n: int) -> AsyncIterator[ChoiceEvent]:
 
 
 def _usage(gens: list[Generation]) -> UsageInfo:
+    """Token counts summed over every prompt's generation."""
     p = sum(g.num_prompt_tokens for g in gens)
     c = sum(g.num_completion_tokens for g in gens)
     cached = sum(g.num_cached_tokens for g in gens)
@@ -125,9 +134,38 @@ def _usage(gens: list[Generation]) -> UsageInfo:
 
 
 async def create_completion(state: ServerState, raw: bytes):
+    """``POST /v1/completions``: every prompt's ``n`` choices, streamed or in one body.
+
+    Raises:
+        APIError: 400 for an invalid request (``param`` names the field), 404 for a model
+            this server does not serve, 503 when no worker can take a prompt.
+    """
     req = parse_request(CompletionRequest, raw)
     check_model(state, req.model)
     prompts = prompt_id_lists(state, req)
+    params_list = await _checked_params(state, req, prompts)
+    request_id, gens = _start_generations(state, prompts, params_list, req.stop_list)
+    completion = _CompletionInFlight(
+        state, req, gens, request_id, created=int(time.time()), n=params_list[0].n,
+        num_top=params_list[0].logprobs,
+        # echo: each choice's text starts with its prompt (given text, or decoded ids)
+        echoed=[(p if isinstance(p, str) else state.tokenizer.decode(ids)) if req.echo else ""
+                for p, ids in zip(req.prompt_list, prompts)])
+    if req.stream:
+        return StreamingResponse(sse(completion.chunks()), media_type="text/event-stream")
+    resp = await completion.response()
+    return JSONResponse(resp.model_dump(mode="json"))
+
+
+async def _checked_params(state: ServerState, req: CompletionRequest,
+                          prompts: list[list[int]]) -> list[SamplingParams]:
+    """Each prompt's engine parameters, after the checks that precede any submission: the
+    context length per prompt, the output constraint (compiled once, counted per prompt)
+    and the total number of choices.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
     params_list = [to_params(state, req, len(p), "prompt") for p in prompts]
     n = params_list[0].n
     await check_structured_output(params_list[0].structured_output,
@@ -140,11 +178,23 @@ async def create_completion(state: ServerState, raw: bytes):
         raise APIError(400, f"{len(prompts)} prompts x n={n} ask for {num_choices} choices; "
                             f"this server runs at most {state.router.max_num_inflight} at once",
                        "prompt")
+    return params_list
+
+
+def _start_generations(state: ServerState, prompts: list[list[int]],
+                       params_list: list[SamplingParams], stop: list[str]
+                       ) -> tuple[str, list[Generation]]:
+    """Submit every prompt; the response id is the first prompt's request id.
+
+    Raises:
+        APIError: 503 when a prompt finds no worker; the prompts already placed are
+            aborted first.
+    """
     gens: list[Generation] = []
     request_id = ""
     try:
         for ids, params in zip(prompts, params_list):
-            rid, gen = start_generation(state, "cmpl", ids, params, req.stop_list)
+            rid, gen = start_generation(state, "cmpl", ids, params, stop)
             request_id = request_id or rid
             gens.append(gen)
     except APIError:
@@ -152,78 +202,107 @@ async def create_completion(state: ServerState, raw: bytes):
             for c in g.choices:
                 state.router.abort(c.handle.request_id)
         raise
-    created = int(time.time())
-    want_logprobs = params_list[0].logprobs is not None
-    # echo: each choice's text starts with its prompt (given text, or decoded ids)
-    echoed = [(p if isinstance(p, str) else state.tokenizer.decode(ids))
-              if req.echo else "" for p, ids in zip(req.prompt_list, prompts)]
-    num_top = params_list[0].logprobs
+    return request_id, gens
 
-    def echo_part(i: int) -> CompletionLogProbs | None:
+
+@dataclass
+class _CompletionInFlight:
+    """A completions request whose prompts are generating, and what both response shapes
+    need to report them. Choice ``i`` belongs to prompt ``i // n``.
+
+    Attributes:
+        num_top: the request's ``logprobs`` (top alternatives per token); ``None``: the
+            response carries no logprobs.
+        echoed: per prompt, the text each of its choices starts with (``""`` without echo).
+    """
+
+    state: ServerState
+    req: CompletionRequest
+    gens: list[Generation]
+    request_id: str
+    created: int
+    n: int
+    num_top: int | None
+    echoed: list[str]
+
+    @property
+    def num_choices(self) -> int:
+        """``n`` choices per prompt."""
+        return self.n * len(self.gens)
+
+    @property
+    def want_logprobs(self) -> bool:
+        """True when every choice carries logprobs."""
+        return self.num_top is not None
+
+    def _echo_logprobs(self, i: int) -> CompletionLogProbs | None:
         """Choice ``i``'s echoed prompt logprobs (after its generation's first delta)."""
-        if not (req.echo and want_logprobs):
+        if not (self.req.echo and self.want_logprobs):
             return None
-        gen = gens[i // n]
-        return echo_logprobs(state.tokenizer, gen.prompt_token_ids, gen.prompt_logprobs,
-                             num_top)
+        gen = self.gens[i // self.n]
+        return echo_logprobs(self.state.tokenizer, gen.prompt_token_ids, gen.prompt_logprobs,
+                             self.num_top)
 
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    def _chunk(self, choices: list[CompletionResponseStreamChoice],
+               usage: UsageInfo | None = None) -> str:
+        """One stream chunk as JSON."""
+        return CompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.state.model_name,
+            choices=choices, usage=usage, system_fingerprint=self.state.system_fingerprint,
+        ).model_dump_json()
 
-        async def chunks() -> AsyncIterator[str]:
-            echo_pending = set(range(num_choices)) if req.echo else set()
-            # text_offset counts from the start of each choice's whole text
-            offsets = [len(echoed[i // n]) for i in range(num_choices)]
-            async for ev in _merged(gens, n):
-                if ev.index in echo_pending:  # the prompt (and its logprobs) come first
-                    echo_pending.discard(ev.index)
-                    yield CompletionStreamResponse(
-                        id=request_id, created=created, model=state.model_name,
-                        choices=[CompletionResponseStreamChoice(
-                            index=ev.index, text=echoed[ev.index // n],
-                            logprobs=echo_part(ev.index))],
-                        system_fingerprint=state.system_fingerprint).model_dump_json()
-                if not ev.text and ev.finish_reason is None and not want_logprobs:
-                    continue
-                lp = None
-                if want_logprobs:
-                    lp = completion_logprobs(state.tokenizer, ev.logprobs,
-                                             offset=offsets[ev.index])
-                    if lp is not None:
-                        offsets[ev.index] += sum(len(t) for t in lp.tokens)
-                yield CompletionStreamResponse(
-                    id=request_id, created=created, model=state.model_name,
-                    choices=[CompletionResponseStreamChoice(
-                        index=ev.index, text=ev.text, finish_reason=ev.finish_reason,
-                        logprobs=lp)],
-                    system_fingerprint=state.system_fingerprint).model_dump_json()
-            if include_usage:
-                yield CompletionStreamResponse(
-                    id=request_id, created=created, model=state.model_name, choices=[],
-                    usage=_usage(gens), system_fingerprint=state.system_fingerprint,
-                ).model_dump_json()
+    async def chunks(self) -> AsyncIterator[str]:
+        """The stream's chunks: with echo, each choice's prompt (and its logprobs) first,
+        then its text deltas, and a last ``usage`` chunk when ``include_usage`` asks."""
+        n, echoed, want_logprobs = self.n, self.echoed, self.want_logprobs
+        echo_pending = set(range(self.num_choices)) if self.req.echo else set()
+        # text_offset counts from the start of each choice's whole text
+        offsets = [len(echoed[i // n]) for i in range(self.num_choices)]
+        async for ev in _merged(self.gens, n):
+            if ev.index in echo_pending:  # the prompt (and its logprobs) come first
+                echo_pending.discard(ev.index)
+                yield self._chunk([CompletionResponseStreamChoice(
+                    index=ev.index, text=echoed[ev.index // n],
+                    logprobs=self._echo_logprobs(ev.index))])
+            if not ev.text and ev.finish_reason is None and not want_logprobs:
+                continue
+            lp = None
+            if want_logprobs:
+                lp = completion_logprobs(self.state.tokenizer, ev.logprobs,
+                                         offset=offsets[ev.index])
+                if lp is not None:
+                    offsets[ev.index] += sum(len(t) for t in lp.tokens)
+            yield self._chunk([CompletionResponseStreamChoice(
+                index=ev.index, text=ev.text, finish_reason=ev.finish_reason, logprobs=lp)])
+        if self.req.include_usage:
+            yield self._chunk([], usage=_usage(self.gens))
 
-        return StreamingResponse(sse(chunks()), media_type="text/event-stream")
+    async def response(self) -> CompletionResponse:
+        """The whole response, once every choice has finished.
 
-    texts = [echoed[i // n] for i in range(num_choices)]
-    lps: list[list[TokenLogprob] | None] = [None] * num_choices
-    finish: list[str | None] = [None] * num_choices
-    try:
-        async for ev in _merged(gens, n):
-            texts[ev.index] += ev.text
-            if ev.logprobs is not None:
-                lps[ev.index] = (lps[ev.index] or []) + list(ev.logprobs)
-            if ev.finish_reason is not None:
-                finish[ev.index] = ev.finish_reason
-    except Exception as exc:
-        raise worker_error(exc) from None
-    choices = [CompletionResponseChoice(
-        index=i, text=texts[i], finish_reason=finish[i],
-        logprobs=_joined(echo_part(i), completion_logprobs(
-            state.tokenizer, lps[i], offset=len(echoed[i // n])))
-        if want_logprobs else None)
-        for i in range(num_choices)]
-    resp = CompletionResponse(id=request_id, created=created, model=state.model_name,
-                              choices=choices, usage=_usage(gens),
-                              system_fingerprint=state.system_fingerprint)
-    return JSONResponse(resp.model_dump(mode="json"))
+        Raises:
+            APIError: a worker's failure while generating (see :func:`worker_error`).
+        """
+        n, num_choices = self.n, self.num_choices
+        texts = [self.echoed[i // n] for i in range(num_choices)]
+        lps: list[list[TokenLogprob] | None] = [None] * num_choices
+        finish: list[str | None] = [None] * num_choices
+        try:
+            async for ev in _merged(self.gens, n):
+                texts[ev.index] += ev.text
+                if ev.logprobs is not None:
+                    lps[ev.index] = (lps[ev.index] or []) + list(ev.logprobs)
+                if ev.finish_reason is not None:
+                    finish[ev.index] = ev.finish_reason
+        except Exception as exc:
+            raise worker_error(exc) from None
+        choices = [CompletionResponseChoice(
+            index=i, text=texts[i], finish_reason=finish[i],
+            logprobs=_joined(self._echo_logprobs(i), completion_logprobs(
+                self.state.tokenizer, lps[i], offset=len(self.echoed[i // n])))
+            if self.want_logprobs else None)
+            for i in range(num_choices)]
+        return CompletionResponse(id=self.request_id, created=self.created,
+                                  model=self.state.model_name, choices=choices,
+                                  usage=_usage(self.gens),
+                                  system_fingerprint=self.state.system_fingerprint)
