@@ -30,7 +30,9 @@ class Decoder(Protocol):
         token_ids: list[int],
         skip_special_tokens: bool = ...,
         clean_up_tokenization_spaces: bool | None = ...,
-    ) -> str: ...
+    ) -> str:
+        """The text of ``token_ids``; an incomplete UTF-8 sequence decodes to U+FFFD."""
+        ...
 
 
 class IncrementalDetokenizer:

@@ -32,6 +32,8 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
+        """The error as an OpenAI error body with this status; a 503 adds
+        ``Retry-After: 1``."""
         headers = {"Retry-After": "1"} if self.status == 503 else None
         body = error_body(self.message, ERROR_TYPES.get(self.status, "invalid_request_error"),
                           self.param, self.code)

@@ -79,6 +79,18 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
 
 @dataclass
 class ChoiceState:
+    """One choice in flight: its router handle, its text state and progress.
+
+    Attributes:
+        handle: the choice's request at the router (each choice is its own request,
+            ``{request_id}-{index}``).
+        detokenizer: its token ids -> text deltas.
+        stop: its stop-string matcher.
+        num_tokens: tokens generated so far.
+        done: set when its last delta arrives (finished or stopped); a choice not done
+            when :meth:`Generation.events` exits is aborted.
+    """
+
     handle: RequestHandle
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
@@ -104,10 +116,12 @@ class Generation:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt (shared by every choice)."""
         return len(self.prompt_token_ids)
 
     @property
     def num_completion_tokens(self) -> int:
+        """Tokens generated so far, summed over the choices."""
         return sum(c.num_tokens for c in self.choices)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:

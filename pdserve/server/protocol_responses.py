@@ -113,6 +113,8 @@ class ChatCompletionLogProbs(BaseModel):
 
 
 class ChatCompletionResponseChoice(BaseModel):
+    """One choice of a non-streamed chat completion: the whole assistant message."""
+
     index: int
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
@@ -148,6 +150,8 @@ class DeltaMessage(BaseModel):
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):
+    """One choice's part of a stream chunk; ``finish_reason`` is set on its last one."""
+
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
@@ -189,6 +193,8 @@ class CompletionLogProbs(BaseModel):
 
 
 class CompletionResponseChoice(BaseModel):
+    """One choice of a non-streamed text completion (echoed prompt included)."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -208,6 +214,8 @@ class CompletionResponse(BaseModel):
 
 
 class CompletionResponseStreamChoice(BaseModel):
+    """One choice's new text in a stream chunk; ``finish_reason`` is set on its last one."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None

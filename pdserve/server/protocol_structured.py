@@ -143,6 +143,8 @@ class ChatCompletionToolParam(_Strict):
 
 
 class NamedFunction(_Strict):
+    """The function a named ``tool_choice`` forces (its name in ``tools``)."""
+
     name: str
 
 

@@ -69,6 +69,8 @@ def _token_text(tokenizer, token_id: int) -> str:
 
 
 def chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> ChatCompletionLogProbs | None:
+    """Logprobs of generated tokens in the chat shape: each token's text, logprob, UTF-8
+    bytes and top alternatives; ``None`` when there are none."""
     if not lps:
         return None
     content = []
@@ -124,6 +126,13 @@ def _message(text: str, parser: ToolCallParser | None, finish_reason: str | None
 
 
 async def create_chat_completion(state: ServerState, raw: bytes):
+    """``POST /v1/chat/completions``: ``n`` choices of the assistant's next turn, streamed
+    or in one body, tool calls parsed out of the text when the request offers tools.
+
+    Raises:
+        APIError: 400 for an invalid request (``param`` names the field), 404 for a model
+            this server does not serve, 503 when no worker can take it.
+    """
     req = parse_request(ChatCompletionRequest, raw)
     check_model(state, req.model)
     prompt_ids = chat_prompt_ids(state, req)

@@ -41,6 +41,9 @@ class TokenizeRequest(BaseModel):
 
 
 class TokenizeResponse(BaseModel):
+    """Body of a ``/tokenize`` response: the ids, their number, the context length and,
+    when asked, each id's token string."""
+
     count: int
     max_model_len: int
     tokens: list[int]
@@ -57,6 +60,8 @@ class DetokenizeRequest(BaseModel):
 
 
 class DetokenizeResponse(BaseModel):
+    """Body of a ``/detokenize`` response: the text of the ids."""
+
     prompt: str
 
 

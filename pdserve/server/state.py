@@ -41,6 +41,8 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
+        """Longest prompt + output accepted now: the smallest ``max_model_len`` of the
+        alive workers, or ``default_max_model_len`` while none is alive."""
         workers = self.router.alive_workers()
         if workers:
             return min(w.info.max_model_len for w in workers)

@@ -78,6 +78,8 @@ class StreamDelta:
 
 
 class ToolCallStream(Protocol):
+    """Streaming parser of one choice: text deltas in, content and tool-call deltas out."""
+
     def feed(self, text: str) -> StreamDelta:
         """Consumes the next text delta."""
 
@@ -94,6 +96,8 @@ class ToolCallStream(Protocol):
 
 
 class ToolCallParser(Protocol):
+    """A model family's tool-call format, registered under ``name``."""
+
     name: str
 
     def parse(self, text: str) -> ParseResult:
@@ -146,6 +150,8 @@ class HermesToolParser:
     name = "hermes"
 
     def parse(self, text: str) -> ParseResult:
+        """Splits a finished output into content and calls (see the module docstring for
+        blocks that do not parse)."""
         calls: list[ParsedToolCall] = []
         content_parts: list[str] = []
         num_failed = 0
@@ -182,6 +188,7 @@ class HermesToolParser:
         return ParseResult(content or None, calls, num_failed)
 
     def stream(self) -> HermesToolStream:
+        """A fresh streaming parser for one choice."""
         return HermesToolStream()
 
 
@@ -206,13 +213,17 @@ class HermesToolStream:
 
     @property
     def num_calls(self) -> int:
+        """Calls started so far (a call starts once its name is known)."""
         return self._call_index + 1
 
     @property
     def num_failed(self) -> int:
+        """Call blocks that did not parse."""
         return self._num_failed
 
     def feed(self, text: str) -> StreamDelta:
+        """Consumes the next text delta. Text whose meaning a later delta may change (a
+        partial tag, trailing whitespace, a call's closing brace) is held back."""
         self._buffer += text
         out = StreamDelta()
         while self._step(out, final=False):
@@ -220,6 +231,8 @@ class HermesToolStream:
         return out
 
     def finish(self) -> StreamDelta:
+        """Flushes what is held back at the end of the output: a call the output cut off
+        keeps the arguments it got, or is dropped if its name is incomplete."""
         out = StreamDelta()
         while self._step(out, final=True):
             pass
