@@ -69,9 +69,16 @@ def shard_sizes(arch: ModelArchConfig, fused: str, out_features: int) -> tuple[i
 
 @dataclass
 class _Pending:
+    """A linear layer waiting for its checkpoint tensors, one dict per shard."""
+
     spec: LayerSpec
     has_bias: bool
     shards: Shards
+
+    def is_complete(self, method: QuantizationMethod) -> bool:
+        """Whether every shard holds what ``method`` builds from (and its bias, if any)."""
+        return all(method.is_complete(s) and (not self.has_bias or "bias" in s)
+                   for s in self.shards)
 
 
 def _split_name(hf_name: str) -> tuple[str, int, str]:
@@ -86,6 +93,7 @@ def _split_name(hf_name: str) -> tuple[str, int, str]:
 
 def _dense_linear(spec: LayerSpec, weight: torch.Tensor, bias: torch.Tensor | None,
                   dtype: torch.dtype) -> nn.Linear:
+    """A frozen CPU ``nn.Linear`` in ``dtype`` holding ``weight [out, in]`` and ``bias [out]``."""
     layer = nn.Linear(spec.in_features, weight.shape[0], bias=bias is not None, dtype=dtype,
                       device="cpu")
     with torch.no_grad():
@@ -98,6 +106,8 @@ def _dense_linear(spec: LayerSpec, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _build(method: QuantizationMethod, pending: _Pending, skip: tuple[str, ...],
            dequantize_all: bool, dtype: torch.dtype) -> nn.Module:
+    """The module that replaces ``pending``'s placeholder: ``method``'s quantized layer, or a
+    dense ``nn.Linear`` in ``dtype`` when the layer is skipped or stored dense."""
     shards = pending.shards
     bias = None
     if pending.has_bias:
@@ -113,6 +123,26 @@ def _build(method: QuantizationMethod, pending: _Pending, skip: tuple[str, ...],
     if skipped and isinstance(module, QuantizedLinear):
         return _dense_linear(pending.spec, module.dequantize(torch.float32), bias, dtype)
     return module
+
+
+def _replace_linears_with_placeholders(model: nn.Module, arch: ModelArchConfig,
+                                       gemm_dtype: torch.dtype) -> dict[str, _Pending]:
+    """Swap each ``nn.Linear`` of ``model`` (a tied ``lm_head`` aside) for a placeholder.
+
+    Returns:
+        module name -> the layer's spec and one empty tensor dict per checkpoint shard.
+    """
+    tied = arch.tie_word_embeddings
+    pending: dict[str, _Pending] = {}
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or (tied and name == "lm_head"):
+            continue
+        leaf = name.rpartition(".")[2]
+        sizes = shard_sizes(arch, leaf, mod.out_features)
+        spec = LayerSpec(name, mod.in_features, sizes, gemm_dtype)
+        pending[name] = _Pending(spec, mod.bias is not None, [{} for _ in sizes])
+        model.set_submodule(name, _PendingLinear())
+    return pending
 
 
 def load_quantized(model: nn.Module, arch: ModelArchConfig, checkpoint: Checkpoint,
@@ -139,20 +169,16 @@ def load_quantized(model: nn.Module, arch: ModelArchConfig, checkpoint: Checkpoi
             ``model.load_weights``.
     """
     device = next(model.parameters()).device
-    tied = bool(getattr(arch, "tie_word_embeddings", False))
-    pending: dict[str, _Pending] = {}
-    for name, mod in list(model.named_modules()):
-        if not isinstance(mod, nn.Linear) or (tied and name == "lm_head"):
-            continue
-        leaf = name.rpartition(".")[2]
-        sizes = shard_sizes(arch, leaf, mod.out_features)
-        spec = LayerSpec(name, mod.in_features, sizes, gemm_dtype)
-        pending[name] = _Pending(spec, mod.bias is not None, [{} for _ in sizes])
-        model.set_submodule(name, _PendingLinear())
+    pending = _replace_linears_with_placeholders(model, arch, gemm_dtype)
     num_quantized = 0
 
-    def dense_rest() -> Iterator[tuple[str, torch.Tensor]]:
+    def install(module: str, entry: _Pending) -> None:
         nonlocal num_quantized
+        built = _build(method, entry, skip, dequantize_all, dtype)
+        num_quantized += isinstance(built, QuantizedLinear)
+        model.set_submodule(module, built.to(device))
+
+    def dense_rest() -> Iterator[tuple[str, torch.Tensor]]:
         for hf_name, value in method.iter_tensors(checkpoint):
             module, idx, suffix = _split_name(hf_name)
             entry = pending.get(module)
@@ -162,20 +188,15 @@ def load_quantized(model: nn.Module, arch: ModelArchConfig, checkpoint: Checkpoi
                 yield hf_name, value.to(dtype)
                 continue
             entry.shards[idx][suffix] = value
-            if all(method.is_complete(s) and (not entry.has_bias or "bias" in s)
-                   for s in entry.shards):
-                built = _build(method, entry, skip, dequantize_all, dtype)
-                num_quantized += isinstance(built, QuantizedLinear)
-                model.set_submodule(module, built.to(device))
+            if entry.is_complete(method):
+                install(module, entry)
                 del pending[module]
 
     model.load_weights(dense_rest())
     for module, entry in list(pending.items()):
         if not any(entry.shards):
             raise ValueError(f"checkpoint has no weights for layer {module!r}")
-        built = _build(method, entry, skip, dequantize_all, dtype)
-        num_quantized += isinstance(built, QuantizedLinear)
-        model.set_submodule(module, built.to(device))
+        install(module, entry)
     logger.info("%s: %d quantized linear layers", method.name, num_quantized)
     return num_quantized
 
