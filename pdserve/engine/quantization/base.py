@@ -101,5 +101,6 @@ class QuantizedLinear(nn.Module):
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
+        """Logical shape and GEMM dtype, shown by ``print(model)``."""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"gemm_dtype={self.gemm_dtype}")

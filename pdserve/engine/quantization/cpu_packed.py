@@ -76,6 +76,7 @@ class Int4CpuGemm:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held: packed codes (``out * in / 2``) plus the scale/offset pairs."""
         return (self.packed.numel() * self.packed.element_size()
                 + self.scales_and_offsets.numel() * self.scales_and_offsets.element_size())
 
@@ -106,6 +107,7 @@ class Int8CpuGemm:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held: int8 codes (``out * in``) plus one scale per output channel."""
         return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

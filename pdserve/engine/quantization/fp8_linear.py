@@ -49,10 +49,17 @@ class Fp8Linear(QuantizedLinear):
         self.use_scaled_mm: bool | None = None  # decided on the first call, on its device
 
     def dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """``W8[start:end] * s[start:end]``: ``[end - start, in_features]`` in ``dtype``."""
         w = self.weight_fp8[start:end].to(torch.float32) * self.weight_scale[start:end, None]
         return w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features] -> [..., out_features]`` in ``x.dtype``.
+
+        With FP8 GEMMs on ``x``'s device (checked on the first call): W8A8 through
+        ``torch._scaled_mm`` with per-token activation scales, bf16 out; otherwise the
+        weight-only slab path of :class:`~.base.QuantizedLinear`.
+        """
         if self.use_scaled_mm is None:
             self.use_scaled_mm = device_has_fp8_gemm(x.device)
         if not self.use_scaled_mm:

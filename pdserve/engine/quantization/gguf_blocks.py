@@ -36,14 +36,17 @@ def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 ``blocks [n, 34]`` uint8 -> ``[n, 32]`` fp32: ``w = d * q``, q int8."""
     return _f16(blocks, 0) * blocks[:, 2:34].contiguous().view(torch.int8).float()
 
 
 def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0 ``blocks [n, 18]`` uint8 -> ``[n, 32]`` fp32: ``w = d * (q - 8)``, q in 0..15."""
     return _f16(blocks, 0) * (_nibbles_32(blocks[:, 2:18]).float() - 8.0)
 
 
 def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 ``blocks [n, 20]`` uint8 -> ``[n, 32]`` fp32: ``w = d * q + m``, q in 0..15."""
     return _f16(blocks, 0) * _nibbles_32(blocks[:, 4:20]).float() + _f16(blocks, 2)
 
 
@@ -81,6 +84,8 @@ def _k4_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K ``blocks [n, 144]`` uint8 -> ``[n, 256]`` fp32: 8 sub-blocks of 32 values,
+    ``w = d * sc * q - dmin * mn`` with each sub-block's 6-bit scale ``sc`` and min ``mn``."""
     n = blocks.shape[0]
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _k4_scales_mins(blocks[:, 4:16])
@@ -90,6 +95,8 @@ def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K ``blocks [n, 210]`` uint8 -> ``[n, 256]`` fp32: ``w = d * scale * (q - 32)``,
+    q six bits (``ql`` low four, ``qh`` high two), one int8 scale per 16 values."""
     n = blocks.shape[0]
     ql = blocks[:, 0:128].reshape(n, 2, 64)
     qh = blocks[:, 128:192].reshape(n, 2, 1, 32)

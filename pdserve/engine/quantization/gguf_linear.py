@@ -33,6 +33,7 @@ class GGUFPackedWeight:
 
     @property
     def is_packed(self) -> bool:
+        """Whether ``data`` is GGML blocks (a type in ``BLOCK_DEQUANTIZERS``), not floats."""
         return self.ggml_type in BLOCK_DEQUANTIZERS
 
     def dequantize(self) -> torch.Tensor:
@@ -78,6 +79,8 @@ class GGUFLinear(QuantizedLinear):
                 for i, t in enumerate(self.ggml_types)]
 
     def dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``start:end`` of the segments' blocks, ``[end - start, in_features]`` in
+        ``dtype`` (dequantized in fp32, segment by segment)."""
         pieces = []
         for ggml_type, first, packed in self.segments():
             lo, hi = max(start, first), min(end, first + packed.shape[0])
@@ -101,6 +104,12 @@ class GGUFLinear(QuantizedLinear):
         return gemms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features] -> [..., out_features]`` in ``x.dtype``.
+
+        On CUDA, when Triton is available and every segment is Q4_0/Q4_1/Q8_0, each segment
+        runs the fused dequant-GEMM and the outputs are joined; otherwise
+        :meth:`QuantizedLinear.forward` (packed CPU GEMMs or dequantized slabs).
+        """
         if x.is_cuda:
             from pdserve.engine.quantization.kernels import gguf_gemm
 
@@ -114,5 +123,6 @@ class GGUFLinear(QuantizedLinear):
         return super().forward(x)
 
     def extra_repr(self) -> str:
+        """The base fields plus the segments' GGML types, in row order."""
         types = ",".join(t.name for t in self.ggml_types)
         return f"{super().extra_repr()}, types={types}"

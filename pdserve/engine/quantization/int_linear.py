@@ -62,6 +62,8 @@ class IntLinear(QuantizedLinear):
         return IntWeight(codes, self.scales, self.zeros, self.bits, self.group_size, self.g_idx)
 
     def dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(q - z) * s`` of rows ``start:end``: ``[end - start, in_features]`` in ``dtype``
+        (computed in fp32; by ``g_idx`` for act-order weights or ragged groups)."""
         packed = self.qweight[start:end]
         codes = unpack_nibbles(packed) if self.bits == 4 else packed
         rows = end - start
@@ -89,6 +91,11 @@ class IntLinear(QuantizedLinear):
         return [Int8CpuGemm(self.dequantize(torch.float32), dtype)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features] -> [..., out_features]`` in ``x.dtype``.
+
+        On CUDA with Triton, 4-bit weights without ``g_idx`` run the fused W4A16 kernel;
+        everything else goes through :meth:`QuantizedLinear.forward`.
+        """
         if x.is_cuda and self.bits == 4 and self.g_idx is None:
             from pdserve.engine.quantization.kernels import w4a16
 
@@ -100,4 +107,5 @@ class IntLinear(QuantizedLinear):
         return super().forward(x)
 
     def extra_repr(self) -> str:
+        """The base fields plus bit width and group size."""
         return f"{super().extra_repr()}, bits={self.bits}, group_size={self.group_size}"

@@ -58,6 +58,7 @@ class IntWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)`` of the logical weight (the codes' shape)."""
         return tuple(self.codes.shape)
 
     def group_index(self) -> torch.Tensor:

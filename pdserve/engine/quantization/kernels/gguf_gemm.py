@@ -55,6 +55,9 @@ if triton is not None:
     def gguf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, stride_xm, stride_ym,
                          FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One ``[BLOCK_M, BLOCK_N]`` tile of ``y [M, N] = x [M, K] @ W^T``, ``W`` as GGML rows
+        ``[N, row_bytes]`` uint8 of format ``FMT`` (:data:`SUPPORTED_TYPES`); each weight
+        tile is dequantized in registers, fp32 accumulation, stored in ``y``'s dtype."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -46,6 +46,8 @@ if triton is not None:
     def w4a16_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, group_size,
                           stride_xm, stride_ym,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One ``[BLOCK_M, BLOCK_N]`` tile of ``y [M, N]`` (layout in the module docstring),
+        K walked in ``BLOCK_K`` steps, fp32 accumulation, stored in ``y``'s dtype."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pdserve.engine.quantization.int_layouts import unpack_awq
 from pdserve.engine.quantization.int_linear import IntLinear
 from pdserve.engine.quantization.int_weight import cat_rows
 from pdserve.engine.quantization.methods.common import iter_stored_tensors
-from pdserve.engine.quantization.registry import register
+from pdserve.engine.quantization.registry import LayerSpec, Shards, register
 
 
 @register("awq")
@@ -34,9 +36,13 @@ class AwqMethod:
     iter_tensors = staticmethod(iter_stored_tensors)
 
     def is_complete(self, shard: dict[str, Any]) -> bool:
+        """A shard needs ``qweight``, ``qzeros`` (int32 packs) and ``scales`` (fp16)."""
         return {"qweight", "qzeros", "scales"} <= shard.keys()
 
-    def build(self, spec, shards, bias):
+    def build(self, spec: LayerSpec, shards: Shards,
+              bias: torch.Tensor | None) -> IntLinear | None:
+        """An :class:`IntLinear` of the shards' unpacked 4-bit weights, stacked in row order;
+        None when a shard lacks the AWQ tensors (a layer stored dense)."""
         if not all(self.is_complete(s) for s in shards):
             return None
         parts = [unpack_awq(s["qweight"], s["qzeros"], s["scales"], self.group_size)

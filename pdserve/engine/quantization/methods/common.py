@@ -38,7 +38,9 @@ class DenseQuantizingMethod:
         del hf_config  # dense checkpoints carry no quantization settings
 
     def iter_tensors(self, checkpoint: Checkpoint) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's tensors as stored (:func:`iter_stored_tensors`)."""
         return iter_stored_tensors(checkpoint)
 
     def is_complete(self, shard: dict[str, Any]) -> bool:
+        """A shard needs only its dense ``weight``."""
         return "weight" in shard

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pdserve.engine.quantization.int_layouts import unpack_compressed_tensors
 from pdserve.engine.quantization.int_linear import IntLinear
 from pdserve.engine.quantization.int_weight import cat_rows
 from pdserve.engine.quantization.methods.common import iter_stored_tensors
-from pdserve.engine.quantization.registry import register
+from pdserve.engine.quantization.registry import LayerSpec, Shards, register
 
 
 def weight_scheme(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -46,12 +48,17 @@ class CompressedTensorsMethod:
     iter_tensors = staticmethod(iter_stored_tensors)
 
     def is_complete(self, shard: dict[str, Any]) -> bool:
+        """A shard needs ``weight_packed``, ``weight_scale``, ``weight_shape`` and, for an
+        asymmetric scheme, ``weight_zero_point``."""
         need = {"weight_packed", "weight_scale", "weight_shape"}
         if not self.symmetric:
             need.add("weight_zero_point")
         return need <= shard.keys()
 
-    def build(self, spec, shards, bias):
+    def build(self, spec: LayerSpec, shards: Shards,
+              bias: torch.Tensor | None) -> IntLinear | None:
+        """An :class:`IntLinear` of the shards' unpacked ``bits``-bit weights, stacked in row
+        order; None when a shard lacks the packed tensors (a layer stored dense)."""
         if not all(self.is_complete(s) for s in shards):
             return None
         parts = [unpack_compressed_tensors(s, self.bits, self.group_size) for s in shards]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from pdserve.engine.quantization.fp8_linear import Fp8Linear
 from pdserve.engine.quantization.methods.common import DenseQuantizingMethod, dense_weight
-from pdserve.engine.quantization.registry import register
+from pdserve.engine.quantization.registry import LayerSpec, Shards, register
 
 
 @register("fp8")
@@ -13,5 +15,6 @@ class Fp8Method(DenseQuantizingMethod):
 
     name = "fp8"
 
-    def build(self, spec, shards, bias):
+    def build(self, spec: LayerSpec, shards: Shards, bias: torch.Tensor | None) -> Fp8Linear:
+        """An :class:`Fp8Linear` of the shards' dense weights stacked, ``[sum(rows), in]``."""
         return Fp8Linear(dense_weight(shards), bias, spec.gemm_dtype)

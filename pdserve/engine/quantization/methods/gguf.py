@@ -11,7 +11,7 @@ import torch
 from pdserve.engine.loader.checkpoint import Checkpoint
 from pdserve.engine.quantization.gguf_blocks import BLOCK_DEQUANTIZERS
 from pdserve.engine.quantization.gguf_linear import GGUFLinear, GGUFPackedWeight
-from pdserve.engine.quantization.registry import register
+from pdserve.engine.quantization.registry import LayerSpec, Shards, register
 
 
 @register("gguf")
@@ -25,6 +25,11 @@ class GGUFMethod:
         del hf_config
 
     def iter_tensors(self, checkpoint: Checkpoint) -> Iterator[tuple[str, Any]]:
+        """``(hf_name, value)`` in file order, Q/K rows in Hugging Face order.
+
+        A 2-D ``.weight`` of a packed GGML type comes as a :class:`GGUFPackedWeight`
+        (``[rows, row_bytes]`` uint8 blocks); every other tensor is dequantized to fp32.
+        """
         for name, ggml_type, payload in checkpoint.source.iter_raw_tensors():
             if ggml_type in BLOCK_DEQUANTIZERS and name.endswith(".weight") and payload.dim() == 2:
                 _, values, nbytes = BLOCK_DEQUANTIZERS[ggml_type]
@@ -35,9 +40,13 @@ class GGUFMethod:
                 yield name, torch.from_numpy(values.copy())
 
     def is_complete(self, shard: dict[str, Any]) -> bool:
+        """A shard needs its ``weight`` (packed or float)."""
         return "weight" in shard
 
-    def build(self, spec, shards, bias):
+    def build(self, spec: LayerSpec, shards: Shards,
+              bias: torch.Tensor | None) -> GGUFLinear | None:
+        """A :class:`GGUFLinear` over the shards' packed weights, one segment each; None when
+        a shard is stored as floats (F32/F16/BF16: the layer stays dense)."""
         parts = [s["weight"] for s in shards]
         if not all(isinstance(p, GGUFPackedWeight) for p in parts):
             return None

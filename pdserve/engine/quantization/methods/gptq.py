@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pdserve.engine.quantization.int_layouts import unpack_gptq
 from pdserve.engine.quantization.int_linear import IntLinear
 from pdserve.engine.quantization.int_weight import cat_rows
 from pdserve.engine.quantization.methods.common import iter_stored_tensors
-from pdserve.engine.quantization.registry import register
+from pdserve.engine.quantization.registry import LayerSpec, Shards, register
 
 
 @register("gptq")
@@ -35,9 +37,14 @@ class GptqMethod:
     iter_tensors = staticmethod(iter_stored_tensors)
 
     def is_complete(self, shard: dict[str, Any]) -> bool:
+        """A shard needs ``qweight``, ``qzeros``, ``scales`` and ``g_idx`` (a layer stored
+        without ``g_idx`` is built once the checkpoint ends)."""
         return {"qweight", "qzeros", "scales", "g_idx"} <= shard.keys()
 
-    def build(self, spec, shards, bias):
+    def build(self, spec: LayerSpec, shards: Shards,
+              bias: torch.Tensor | None) -> IntLinear | None:
+        """An :class:`IntLinear` of the shards' unpacked weights (with ``g_idx`` where stored),
+        stacked in row order; None when a shard lacks ``qweight``/``qzeros``/``scales``."""
         if not all({"qweight", "qzeros", "scales"} <= s.keys() for s in shards):
             return None
         parts = [unpack_gptq(s["qweight"], s["qzeros"], s["scales"], s.get("g_idx"), self.bits,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from pdserve.engine.quantization.int_linear import IntLinear
 from pdserve.engine.quantization.int_weight import quantize_rtn
 from pdserve.engine.quantization.methods.common import DenseQuantizingMethod, dense_weight
-from pdserve.engine.quantization.registry import register
+from pdserve.engine.quantization.registry import LayerSpec, Shards, register
 
 
 class RtnMethod(DenseQuantizingMethod):
@@ -20,7 +22,9 @@ class RtnMethod(DenseQuantizingMethod):
     bits = 4
     group_size = 32
 
-    def build(self, spec, shards, bias):
+    def build(self, spec: LayerSpec, shards: Shards, bias: torch.Tensor | None) -> IntLinear:
+        """An :class:`IntLinear` of the shards' dense weights stacked and RTN-quantized to
+        ``bits`` in groups of ``group_size`` (fp16 scale and fp16 zero point per group)."""
         weight = quantize_rtn(dense_weight(shards), self.bits, self.group_size,
                               float_zeros=True)
         return IntLinear(weight, bias, spec.gemm_dtype)
@@ -28,6 +32,8 @@ class RtnMethod(DenseQuantizingMethod):
 
 @register("rtn-int4")
 class RtnInt4Method(RtnMethod):
+    """``rtn-int4``: 4-bit codes in groups of 32 input columns."""
+
     name = "rtn-int4"
     bits = 4
     group_size = 32
@@ -35,6 +41,8 @@ class RtnInt4Method(RtnMethod):
 
 @register("rtn-int8")
 class RtnInt8Method(RtnMethod):
+    """``rtn-int8``: 8-bit codes in groups of 128 input columns."""
+
     name = "rtn-int8"
     bits = 8
     group_size = 128
