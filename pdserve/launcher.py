@@ -323,7 +323,7 @@ def run_server(args: argparse.Namespace) -> int:
 def _run_worker(args: argparse.Namespace, make_worker) -> int:
     """Load the engine, build the worker with ``make_worker(engine, worker_id, model_name)``,
     serve its ``/metrics`` when ``--metrics-port`` is set, and run it until stopped."""
-    from pdserve.engine.cli.arg_utils import engine_config_from_args
+    from pdserve.engine.entrypoints.arg_utils import engine_config_from_args
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.worker_metrics import WorkerMetricsServer
 

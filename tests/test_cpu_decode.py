@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pdserve.engine.attention import AttentionInputs
+from pdserve.engine.entrypoints.llm import LLM
 from pdserve.engine.kernels import cpu_decode as cd
-from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
 needs_kernel = pytest.mark.skipif(cd.cpu_decode_module() is None,

@@ -158,7 +158,7 @@ def test_smollm2_fp8_cache_quality_against_bf16_cache():
 def test_kv_cache_dtype_is_validated_and_reaches_workers():
     import argparse
 
-    from pdserve.engine.cli.arg_utils import (
+    from pdserve.engine.entrypoints.arg_utils import (
         add_engine_args,
         engine_args_to_argv,
         engine_config_from_args,

@@ -10,7 +10,7 @@ import time
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.engine.arg_utils import engine_config_from_args
+    from pdserve.engine.entrypoints.arg_utils import engine_config_from_args
 
     llm = LLM.from_config(engine_config_from_args(args, args.model))
     params = SamplingParams(
@@ -35,7 +35,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``generate`` to the subcommands ``sub``: sampling flags plus the engine's."""
-    from pdserve.engine.arg_utils import add_engine_args
+    from pdserve.engine.entrypoints.arg_utils import add_engine_args
 
     p = sub.add_parser("generate", help="generate offline for a few prompts")
     p.add_argument("model", nargs="?", default=None,

@@ -10,7 +10,7 @@ from pdserve.cli.serve import add_routing_args
 
 def _cmd_local_cluster(args: argparse.Namespace) -> int:
     from pdserve.cluster import local
-    from pdserve.engine.arg_utils import engine_args_to_argv
+    from pdserve.engine.entrypoints.arg_utils import engine_args_to_argv
 
     if args.down:
         deleted = local.down(args.name)
@@ -33,7 +33,7 @@ def _cmd_local_cluster(args: argparse.Namespace) -> int:
 def add_local_cluster_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``local-cluster`` to the subcommands ``sub``: namespace layout, routing and
     engine flags (passed on to every role)."""
-    from pdserve.engine.arg_utils import add_engine_args
+    from pdserve.engine.entrypoints.arg_utils import add_engine_args
 
     p = sub.add_parser("local-cluster", help="run api, prefill and decode roles as processes, "
                        "each in its own network namespace joined by veth pairs (root only)")

@@ -10,7 +10,7 @@ from pdserve.server.tools.parsers import TOOL_PARSERS
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.engine.arg_utils import engine_args_to_argv, engine_config_from_args
+    from pdserve.engine.entrypoints.arg_utils import engine_args_to_argv, engine_config_from_args
     from pdserve.launcher import run_serve
 
     engine_config_from_args(args, args.model)  # validate here, before any process starts
@@ -134,7 +134,7 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``serve`` to the subcommands ``sub``: HTTP, worker-count, core-placement,
     routing, KV-transfer, authentication and engine flags."""
-    from pdserve.engine.arg_utils import add_engine_args
+    from pdserve.engine.entrypoints.arg_utils import add_engine_args
 
     p = sub.add_parser("serve", help="serve the OpenAI API: API server + prefill and decode "
                                       "workers")
@@ -176,7 +176,7 @@ def add_worker_parsers(sub: argparse._SubParsersAction) -> None:
     """Add ``decode-worker`` and ``prefill-worker`` to the subcommands ``sub``; they differ
     only in their KV-transfer flags (the decode side binds a receiver, the prefill side
     picks the wire dtype)."""
-    from pdserve.engine.arg_utils import add_engine_args
+    from pdserve.engine.entrypoints.arg_utils import add_engine_args
 
     for kind, func, role in (("decode-worker", _cmd_decode_worker, "decode"),
                              ("prefill-worker", _cmd_prefill_worker, "prefill")):

@@ -19,7 +19,7 @@ _TRAIN_EAGLE_FLAGS = {
 
 
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
-    from pdserve.engine.arg_utils import flag_names
+    from pdserve.engine.entrypoints.arg_utils import flag_names
 
     try:
         return _train_eagle(args)

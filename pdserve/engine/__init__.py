@@ -1,7 +1,7 @@
 """The model runtime shared by prefill and decode workers."""
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm import LLM
+from pdserve.engine.entrypoints.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams

@@ -54,6 +54,7 @@ class RequestDelta(msgspec.Struct, frozen=True):
 
     @property
     def finished(self) -> bool:
+        """Whether the request ended this step."""
         return self.finish_reason is not None
 
 
@@ -70,7 +71,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """An offline request's result from :meth:`pdserve.engine.llm.LLM.generate`."""
+    """An offline request's result from :meth:`pdserve.engine.entrypoints.llm.LLM.generate`."""
 
     request_id: str
     prompt: str | None
@@ -82,4 +83,5 @@ class RequestOutput:
 
     @property
     def finished(self) -> bool:
+        """Whether every sequence of the request has a finish reason."""
         return all(o.finish_reason is not None for o in self.outputs)
