@@ -16,6 +16,7 @@ from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.spec_decode.eagle import (
     EagleConfig,
     EagleDraftModel,
+    build_eagle_head,
     load_eagle_model,
 )
 from pdserve.offline.eagle.features import load_target_model
@@ -160,9 +161,9 @@ def paged_forward_in_chunks(head: EagleDraftModel, ids: list[torch.Tensor],
 def test_paged_chunked_and_chained_forward_equals_dense_causal_forward(target, layout):
     cfg = EagleConfig.from_dict(head_hf_config(target, layout))
     torch.manual_seed(0)
-    paged = EagleDraftModel(cfg, target, TorchAttentionBackend(CPU), 256).eval()
+    paged = build_eagle_head(cfg, target, TorchAttentionBackend(CPU), 256).eval()
     paged.load_weights(random_official_tensors(target, layout).items())
-    dense = EagleDraftModel(cfg, target, PackedCausalAttention(), 256).eval()
+    dense = build_eagle_head(cfg, target, PackedCausalAttention(), 256).eval()
     dense.load_state_dict(paged.state_dict())
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, 512, (30,), generator=g) for _ in range(2)]
@@ -292,4 +293,4 @@ def test_head_wider_than_the_target_is_rejected(target):
     hf = head_hf_config(target, "eagle1")
     hf["hidden_size"] = 2 * target.cfg.hidden_size
     with pytest.raises(ValueError, match="hidden_size"):
-        EagleDraftModel(EagleConfig.from_dict(hf), target, TorchAttentionBackend(CPU), 256)
+        build_eagle_head(EagleConfig.from_dict(hf), target, TorchAttentionBackend(CPU), 256)

@@ -261,7 +261,7 @@ def test_init_head_wider_than_the_asked_width_is_refused_before_any_work(tiny_di
 def test_a_continued_head_keeps_its_width_and_fused_layers_unless_told(tiny_dir, tmp_path):
     """``--init-from`` without ``--head-intermediate-size`` / ``--aux-layers`` trains at the
     init head's MLP width and fuses its layers; other fused layers are refused."""
-    from pdserve.offline.eagle.train import TrainEagleConfig, _check_fits_target
+    from pdserve.offline.eagle.train_config import TrainEagleConfig, check_fits_target
 
     target = load_target_model(tiny_dir, 64)
     width = target.cfg.intermediate_size
@@ -271,7 +271,7 @@ def test_a_continued_head_keeps_its_width_and_fused_layers_unless_told(tiny_dir,
     def fits(**kw):
         cfg = TrainEagleConfig(model=str(tiny_dir), data="builtin", out=tmp_path / "o",
                                layout="eagle3", init_from=tmp_path / "h3", **kw)
-        return _check_fits_target(cfg, tiny_dir)
+        return check_fits_target(cfg, tiny_dir)
 
     assert fits() == (2 * width, (0, 1, 1))
     assert fits(head_intermediate_size=4 * width, aux_layer_ids=(0, 1, 1)) == (4 * width,

@@ -20,10 +20,11 @@ features. Losses of all steps are averaged. With ``w_reg = 0`` and unrolled step
 EAGLE-3's other change (sec. 3.1): no constraint that ``f̂`` be the target's feature, only
 that the tokens drawn from it be right, on the head's own chained features.
 
-EAGLE-3 heads (``layout == "eagle3"``, Li et al. 2025) train that way by construction: the
-first step's feature is ``fc`` of the target's fused low/mid/high layer inputs (no noise),
-there is no feature to regress (``reg`` is reported as 0), and the classification runs
-through the head's own norm and LM head over its draft vocabulary.
+EAGLE-3 heads (Li et al. 2025) train that way by construction: the first step's feature
+is ``fc`` of the target's fused low/mid/high layer inputs (no noise), there is no feature
+to regress (``reg`` is reported as 0), and the classification runs through the head's own
+norm and LM head over its draft vocabulary. The trainer asks the head's config which
+applies (``predicts_target_features``, ``has_own_lm_head``), never its layout name.
 """
 
 from __future__ import annotations
@@ -35,12 +36,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pdserve.engine.spec_decode.eagle import EagleDraftModel
 from pdserve.offline.eagle.features import TargetFeatures
-from pdserve.offline.eagle.packed_attention import PackedCausalAttention
+from pdserve.offline.eagle.losses import loss_vocab, step_losses
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,16 @@ class TrainHistory:
     elapsed_s: float = 0.0
     loss_vocab_size: int | None = None
 
+    def add_step(self, loss: float, reg: float, cls: float, top1: float,
+                 num_tokens: int) -> None:
+        """Record one optimizer step's losses, top-1 agreement and head tokens."""
+        self.losses.append(loss)
+        self.reg_losses.append(reg)
+        self.cls_losses.append(cls)
+        self.top1.append(top1)
+        self.num_steps += 1
+        self.num_tokens += num_tokens
+
 
 def make_batches(data: Sequence[TargetFeatures], batch_tokens: int,
                  rng: random.Random) -> list[list[int]]:
@@ -123,131 +133,6 @@ def make_batches(data: Sequence[TargetFeatures], batch_tokens: int,
         batches[-1].append(i)
         size += n
     return [b for b in batches if b]
-
-
-@dataclass(frozen=True)
-class LossVocab:
-    """The token ids the classification softmax runs over.
-
-    Attributes:
-        lm_head: ``[C, H]`` rows of the target's LM head for the candidate ids (frozen; an
-            EAGLE-3 head uses its own LM head and only the maps below).
-        index: ``[V]`` int64, the candidate index of each target id (0 for non-candidates).
-        member: ``[V]`` bool, which target ids are candidates (teacher mass on the others
-            is dropped: a head with a draft vocabulary can never draft them).
-    """
-
-    lm_head: torch.Tensor
-    index: torch.Tensor
-    member: torch.Tensor
-
-    @property
-    def size(self) -> int:
-        return self.lm_head.shape[0]
-
-
-def loss_vocab(head: EagleDraftModel, data: Sequence[TargetFeatures]) -> LossVocab:
-    """Every id the teacher puts in its top-k at a label position of ``data``.
-
-    The classification loss is a softmax over these ids only: the teacher's mass is all
-    on them, and the target's LM head rows for the rest are shared and frozen, so they
-    only add cost (EAGLE-3's reduced draft vocabulary, applied here to the loss alone;
-    the trained head still drafts over the full vocabulary).
-    """
-    if head.has_draft_vocab:  # the softmax the head drafts with (FR-Spec / EAGLE-3)
-        ids = head.draft_token_ids().cpu()
-    else:
-        ids = torch.cat([d.teacher_ids[d.teacher_probs > 0] for d in data]).unique()
-    weight = head.target.lm_head.weight
-    index = torch.zeros(weight.shape[0], dtype=torch.int64)
-    index[ids] = torch.arange(len(ids))
-    member = torch.zeros(weight.shape[0], dtype=torch.bool)
-    member[ids] = True
-    return LossVocab(weight[ids.to(weight.device)].detach().float(), index.to(weight.device),
-                     member.to(weight.device))
-
-
-def _step_losses(head: EagleDraftModel, batch: Sequence[TargetFeatures], hp: TrainHyperParams,
-                 backend: PackedCausalAttention, generator: torch.Generator,
-                 vocab: LossVocab | None) -> tuple[torch.Tensor, float, float, float, int]:
-    """Forward all unrolled steps of one batch; ``(loss, reg, cls, top1, num_tokens)``."""
-    device = head.fc.weight.device
-    is_eagle3 = head.cfg.layout == "eagle3"
-    prev: dict[int, torch.Tensor] | None = None
-    total = torch.zeros((), device=device)
-    reg_sum = cls_sum = 0.0
-    top1 = 0.0
-    num_tokens = 0
-    for j in range(1, hp.unroll_steps + 1):
-        ids, hidden, positions, lens, kept = [], [], [], [], []
-        reg_rows, cls_rows, reg_targets, t_ids, t_probs = [], [], [], [], []
-        offset = 0
-        for b, seq in enumerate(batch):
-            T = len(seq.token_ids)
-            first = j - 1  # inputs (x_{i+1}, f_i) for i = first .. T-2
-            n = T - 1 - first
-            if n <= 0 or (prev is not None and b not in prev):
-                continue
-            kept.append(b)
-            pos = torch.arange(first, T - 1)
-            ids.append(seq.token_ids[first + 1:])
-            if prev is None and is_eagle3:
-                hidden.append(head.combine_target_hidden(
-                    seq.features[:-1].to(device, head.fc.weight.dtype)))
-            elif prev is None:
-                feats = seq.features[:-1]
-                noise = (torch.rand(feats.shape, generator=generator) * 2 - 1) * hp.feature_noise
-                hidden.append((feats + noise).to(device))
-            else:
-                hidden.append(prev[b][:n])
-            positions.append(pos)
-            lens.append(n)
-            reg_mask = pos >= seq.num_prompt_tokens - 1
-            cls_mask = reg_mask & (pos <= T - 3)
-            reg_rows.append(offset + reg_mask.nonzero().squeeze(1))
-            cls_rows.append(offset + cls_mask.nonzero().squeeze(1))
-            if not is_eagle3:
-                reg_targets.append(seq.features[pos[reg_mask] + 1])
-            t_ids.append(seq.teacher_ids[pos[cls_mask] + 1])
-            t_probs.append(seq.teacher_probs[pos[cls_mask] + 1])
-            offset += n
-        if not lens:
-            break
-        out = head(torch.cat(ids).to(device), torch.cat(hidden), torch.cat(positions).to(device),
-                   [(None, None)], backend.build_metadata(lens))
-        reg_idx, cls_idx = torch.cat(reg_rows).to(device), torch.cat(cls_rows).to(device)
-        reg = (out.new_zeros(()) if is_eagle3
-               else F.smooth_l1_loss(out[reg_idx], torch.cat(reg_targets).to(device)))
-        teacher_ids, teacher_probs = torch.cat(t_ids).to(device), torch.cat(t_probs).to(device)
-        top_in_vocab = None
-        if vocab is None:
-            logits = head.compute_logits(out[cls_idx])  # [n, V] fp32
-        else:
-            logits = (head.compute_draft_logits(out[cls_idx])[0] if is_eagle3  # [n, C] fp32
-                      else F.linear(out[cls_idx].float(), vocab.lm_head))
-            in_vocab = vocab.member[teacher_ids]  # [n, k]
-            top_in_vocab = in_vocab[:, 0]
-            teacher_probs = teacher_probs * in_vocab
-            teacher_probs = teacher_probs / teacher_probs.sum(-1, keepdim=True).clamp_min(1e-12)
-            teacher_ids = vocab.index[teacher_ids]
-        logprobs = torch.log_softmax(logits, dim=-1)
-        cls = -(teacher_probs * logprobs.gather(1, teacher_ids)).sum(-1).mean()
-        total = total + hp.reg_weight * reg + hp.cls_weight * cls
-        reg_sum += reg.item()
-        cls_sum += cls.item()
-        if j == 1:
-            hit = logprobs.argmax(-1) == teacher_ids[:, 0]
-            if top_in_vocab is not None:
-                hit &= top_in_vocab
-            top1 = float(hit.float().mean())
-        num_tokens += sum(lens)
-        # Step j + 1 feeds f̂_{i+1} (row i of this step) as the feature of position i + 1.
-        prev, start = {}, 0
-        for b, n in zip(kept, lens):
-            prev[b] = out[start:start + n]
-            start += n
-    steps = max(1, hp.unroll_steps)
-    return total / steps, reg_sum / steps, cls_sum / steps, top1, num_tokens
 
 
 #: A time budget fixes the number of steps from the time of steps 2 .. this one (the
@@ -285,6 +170,13 @@ class _StepPlan:
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def _optimizer(params: list[torch.nn.Parameter], hp: TrainHyperParams, plan: _StepPlan,
+               ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (EAGLE's betas, no weight decay) and ``plan``'s learning-rate schedule."""
+    optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
+
+
 def train_head(head: EagleDraftModel, data: Sequence[TargetFeatures], hp: TrainHyperParams,
                use_tqdm: bool = True) -> TrainHistory:
     """Train ``head`` (built with :class:`PackedCausalAttention`) in place on ``data``.
@@ -307,12 +199,11 @@ def train_head(head: EagleDraftModel, data: Sequence[TargetFeatures], hp: TrainH
     generator = torch.Generator().manual_seed(hp.seed)
     batches_per_epoch = len(make_batches(data, hp.batch_tokens, random.Random(0)))
     plan = _StepPlan(max(1, math.ceil(batches_per_epoch * hp.epochs)), hp.warmup_fraction)
-    # eagle3 always: its logits are over its draft vocabulary
-    vocab = loss_vocab(head, data) if (hp.restrict_loss_vocab or head.cfg.layout == "eagle3"
+    # a head with its own LM head always: its logits are over its draft vocabulary
+    vocab = loss_vocab(head, data) if (hp.restrict_loss_vocab or head.cfg.has_own_lm_head
                                        ) else None
     params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
+    optimizer, scheduler = _optimizer(params, hp, plan)
     history = TrainHistory(loss_vocab_size=None if vocab is None else vocab.size)
     head.train()
     t0 = time.perf_counter()
@@ -328,19 +219,14 @@ def train_head(head: EagleDraftModel, data: Sequence[TargetFeatures], hp: TrainH
                 plan.fit_time(hp.max_train_minutes * 60.0, now - t0,
                               (now - t1) / (_CALIBRATION_STEPS - 1))
                 bar.total = plan.total_steps
-            loss, reg, cls, top1, num_tokens = _step_losses(
+            loss, reg, cls, top1, num_tokens = step_losses(
                 head, [data[i] for i in batch_idx], hp, backend, generator, vocab)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, hp.grad_clip)
             optimizer.step()
             scheduler.step()
-            history.losses.append(loss.item())
-            history.reg_losses.append(reg)
-            history.cls_losses.append(cls)
-            history.top1.append(top1)
-            history.num_steps += 1
-            history.num_tokens += num_tokens
+            history.add_step(loss.item(), reg, cls, top1, num_tokens)
             bar.update(1)
             bar.set_postfix(loss=f"{history.losses[-1]:.3f}", reg=f"{reg:.3f}", cls=f"{cls:.3f}",
                             top1=f"{top1:.2f}")
