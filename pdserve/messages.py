@@ -57,6 +57,11 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     num_spec_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
     #: the worker got SIGTERM: it finishes what it runs and takes nothing new
     draining: bool = False
+    #: prompt tokens admitted but not prefilled yet (waiting and partly prefilled requests)
+    num_prefill_tokens_queued: int = 0
+    #: moving average of measured prefill throughput, tokens/s over the engine steps that
+    #: prefilled (0: none measured yet)
+    prefill_tokens_per_s: float = 0.0
 
 
 class GenerateRequest(msgspec.Struct, tag="generate"):
@@ -125,6 +130,9 @@ class KVSent(msgspec.Struct, tag="kv_sent"):
     num_bytes: int
     seconds: float
     error: str | None = None
+    #: seconds the sender spent encoding and pushing (``seconds`` also covers the waits
+    #: for layers still being prefilled)
+    push_s: float = 0.0
 
 
 class FirstToken(msgspec.Struct, tag="first_token"):

@@ -33,7 +33,14 @@ from pdserve.messages import (
     ResumeLocally,
     StepOutputs,
 )
-from pdserve.router.policy import FALLBACK, LOCAL, REMOTE_PREFILL, RouteRequest, ThresholdPolicy
+from pdserve.router.policy import (
+    FALLBACK,
+    LOCAL,
+    REMOTE_PREFILL,
+    PredictedTTFTPolicy,
+    RouteRequest,
+    ThresholdPolicy,
+)
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import WorkerRegistry
 from pdserve.router.remote_prefill import (
@@ -50,11 +57,15 @@ BLOCK = 16
 
 def register(registry: WorkerRegistry, worker_id: str, role: str = "decode",
              kv_address: str | None = "tcp://127.0.0.1:1", running: int = 0,
-             draining: bool = False):
+             draining: bool = False, rate: float = 0.0, queued: int = 0):
+    """A worker with a heartbeat: ``rate`` prefill tokens/s (0 unknown), ``queued`` prompt
+    tokens waiting for their prefill."""
     worker = registry.register(RegisterWorker(
         worker_id=worker_id, role=role, model_name="m", max_model_len=4096,
         block_size=BLOCK, num_kv_blocks=256, pid=1, kv_address=kv_address))
-    registry.heartbeat(Heartbeat(worker_id, running, 0, 100, 0.0, draining=draining))
+    registry.heartbeat(Heartbeat(worker_id, running, 0, 100, 0.0, draining=draining,
+                                 num_prefill_tokens_queued=queued,
+                                 prefill_tokens_per_s=rate))
     return worker
 
 
@@ -126,6 +137,70 @@ def test_threshold_policy_skips_draining_workers_and_checks_its_threshold():
     assert ThresholdPolicy().route(RouteRequest("r", prompt(5)), view).decode.worker_id == "d1"
     with pytest.raises(ValueError, match="prefill_threshold"):
         ThresholdPolicy(prefill_threshold=0)
+
+
+def test_predicted_policy_routes_as_the_threshold_while_rates_are_unknown():
+    view = View()
+    policy = PredictedTTFTPolicy(prefill_threshold=100)
+    register(view.registry, "d0", rate=1000.0, running=8)
+    register(view.registry, "p0", role="prefill", kv_address=None)  # no rate yet
+    # by cost a 50-token prompt would go remote (8 running requests wait 50 ms each)
+    assert policy.route(RouteRequest("r", prompt(50)), view).kind == LOCAL
+    assert policy.route(RouteRequest("r", prompt(100)), view).kind == REMOTE_PREFILL
+    with pytest.raises(ValueError, match="prefill_threshold"):
+        PredictedTTFTPolicy(prefill_threshold=0)
+
+
+def test_predicted_policy_weighs_queues_rates_and_the_decode_workers_stall():
+    """Costs by hand: local = (queued + uncached) / rate_D + running * uncached / rate_D;
+    remote = (queued_P + prompt) / rate_P."""
+    view = View()
+    policy = PredictedTTFTPolicy(prefill_threshold=100)
+    register(view.registry, "d0", rate=1000.0, running=0)
+    register(view.registry, "p0", role="prefill", kv_address=None, rate=1000.0, queued=2000)
+    # idle decode worker, busy prefill worker: 1,000 tokens local 1.0 s < remote 3.0 s
+    assert policy.route(RouteRequest("r", prompt(1000)), view).kind == LOCAL
+    # 4 running requests: local 1.0 + 4 * 1.0 = 5.0 s > remote 3.0 s
+    register(view.registry, "d0", rate=1000.0, running=4)
+    route = policy.route(RouteRequest("r", prompt(1000)), view)
+    assert (route.kind, route.prefill.worker_id) == (REMOTE_PREFILL, "p0")
+    # a faster, idle second prefill worker is the one chosen
+    register(view.registry, "p1", role="prefill", kv_address=None, rate=4000.0)
+    assert policy.route(RouteRequest("r", prompt(1000)), view).prefill.worker_id == "p1"
+    # the router's own count of tokens it sent since the last heartbeat is a queue too
+    view.registry.workers["p1"].prefill_backlog["earlier"] = 40_000
+    assert policy.route(RouteRequest("r", prompt(1000)), view).prefill.worker_id == "p0"
+    # prompt logprobs stay local whatever the cost
+    assert policy.route(RouteRequest("r", prompt(1000), True), view).kind == LOCAL
+
+
+def test_predicted_policy_keeps_a_cached_history_local_and_counts_the_link():
+    view = View()
+    policy = PredictedTTFTPolicy(prefill_threshold=100)
+    register(view.registry, "d0", rate=1000.0, running=4)
+    p0 = register(view.registry, "p0", role="prefill", kv_address=None, rate=1000.0)
+    history = prompt(960)
+    view.cache("d0", history)
+    follow_up = history + prompt(40, start=5000)
+    # local: (0 + 40) / 1000 + 4 * 0.04 = 0.2 s; remote: 1000 / 1000 = 1.0 s
+    route = policy.route(RouteRequest("r", follow_up), view)
+    assert (route.kind, route.num_cached_tokens) == (LOCAL, 960)
+    # a fresh 1,000-token prompt: local 5.0 s, remote 1.0 s plus the link
+    assert policy.route(RouteRequest("r", prompt(1000, 9000)), view).kind == REMOTE_PREFILL
+    p0.observe_transfer(num_bytes=10_000_000, num_tokens=1000, push_s=2.5)  # 4 MB/s
+    # remote: 1.0 + 1000 * 10 kB / 4 MB/s = 3.5 s; still below local 5.0 s
+    assert policy.route(RouteRequest("r", prompt(1000, 9000)), view).kind == REMOTE_PREFILL
+    p0.observe_transfer(num_bytes=10_000_000, num_tokens=1000, push_s=20.0)
+    # link now 4 + 0.2 * (0.5 - 4) = 3.3 MB/s average: 1.0 + 3.03 s = 4.03 s, still remote
+    assert 3.2e6 < p0.kv_bytes_per_s < 3.4e6
+    p0.kv_bytes_per_s = 1e6  # remote 1.0 + 10 s: local wins
+    assert policy.route(RouteRequest("r", prompt(1000, 9000)), view).kind == LOCAL
+
+
+def test_routing_config_names_a_known_policy():
+    with pytest.raises(ValueError, match="policy"):
+        RoutingConfig(policy="fastest")
+    assert RoutingConfig(policy="predicted").policy == "predicted"
 
 
 # -- state machine -------------------------------------------------------------------------
@@ -414,3 +489,36 @@ def test_cache_events_from_others_are_not_applied(harness):
     assert router.num_cached_tokens(d0, long) == 0
     harness.recv("d0", KVCacheEvents("d0", [True], [1, 2]))  # malformed: lengths differ
     assert router.num_cached_tokens(d0, long) == 0
+
+
+def test_predicted_routing_sends_to_the_chosen_prefill_worker_and_tracks_backlogs():
+    h = Harness(policy="predicted")
+    try:
+        assert isinstance(h.router.policy, PredictedTTFTPolicy)
+        h.recv("p1", RegisterWorker(worker_id="p1", role="prefill", model_name="m",
+                                    max_model_len=4096, block_size=BLOCK, num_kv_blocks=256,
+                                    pid=1))
+        for wid, running, rate in (("d0", 4, 1000.0), ("p0", 0, 100.0), ("p1", 0, 1000.0)):
+            h.recv(wid, Heartbeat(wid, running, 0, 100, 0.0, prefill_tokens_per_s=rate))
+        h.take()
+        handle = h.router.add_request("r1", prompt(1000), SamplingParams(max_tokens=4))
+        assert handle.route == REMOTE_PREFILL and h.take() == [("d0", "ExpectRemoteKV")]
+        h.recv("d0", KVReserved("r1", 0))
+        assert h.take() == [("p1", "PrefillRequest")]  # the policy's choice, not p0
+        p1 = h.router.registry.workers["p1"]
+        assert p1.prefill_backlog == {"r1": 1000} and p1.num_prefill_tokens_queued == 1000
+        h.recv("p1", PrefillDone("p1", delta("r1", [7]), 0.5))
+        assert p1.prefill_backlog == {}
+        h.recv("p1", KVSent("p1", "r1", 2_000_000, 1.5, push_s=0.5))
+        assert (p1.kv_bytes_per_token, p1.kv_bytes_per_s) == (2000.0, 4e6)
+        assert p1.remote_overhead_s > 0  # routed -> first token, beyond P's own 0.5 s
+        # a short prompt stays on an idle d0: its tokens count as d0's backlog until its
+        # first delta
+        h.recv("d0", Heartbeat("d0", 0, 0, 100, 0.0, prefill_tokens_per_s=1000.0))
+        local = h.router.add_request("r2", prompt(8, 50_000), SamplingParams(max_tokens=4))
+        d0 = h.router.registry.workers["d0"]
+        assert local.route == LOCAL and d0.prefill_backlog == {"r2": 8}
+        h.recv("d0", StepOutputs("d0", [delta("r2", [1])]))
+        assert d0.prefill_backlog == {}
+    finally:
+        h.close()

@@ -83,7 +83,9 @@ class RemotePrefillHandshake:
             return
         remote = handle.remote
         decode = router.registry.workers.get(handle.worker_id)
-        prefill = router.registry.least_loaded("prefill")
+        preferred = router.registry.workers.get(remote.preferred_prefill_id or "")
+        prefill = preferred if preferred in router.registry.accepting("prefill") \
+            else router.registry.least_loaded("prefill")
         if prefill is None or decode is None:
             if remote.accepts(RemoteEvent.NO_PREFILL_WORKER):
                 router.count("route_decisions", FALLBACK)
@@ -94,6 +96,7 @@ class RemotePrefillHandshake:
             return
         remote.prefill_worker_id = prefill.worker_id
         prefill.inflight.add(msg.request_id)
+        prefill.prefill_backlog[msg.request_id] = len(remote.prompt_token_ids)
         router.send(prefill.worker_id, PrefillRequest(
             msg.request_id, remote.prompt_token_ids, remote.params, time.time(),
             decode.worker_id, decode.info.kv_address))
@@ -142,6 +145,10 @@ class RemotePrefillHandshake:
             return
         remote = handle.remote
         remote.first_token_id = delta.new_token_ids[0]
+        pworker = router.registry.workers.get(remote.prefill_worker_id or "")
+        if pworker is not None:
+            pworker.prefill_backlog.pop(delta.request_id, None)
+            pworker.observe_first_token(time.monotonic() - handle.created_s, msg.prefill_time_s)
         router.observe("request_prefill_time", msg.prefill_time_s)
         handle.deliver(delta)
         if delta.finished:
@@ -165,6 +172,9 @@ class RemotePrefillHandshake:
         router.count("kv_transfer_bytes", amount=msg.num_bytes)
         router.observe("kv_transfer_seconds", msg.seconds)
         if handle is not None:
+            if pworker is not None:
+                pworker.observe_transfer(msg.num_bytes, len(handle.remote.prompt_token_ids),
+                                         msg.push_s)
             handle.remote.fire(RemoteEvent.KV_SENT)
 
     def on_kv_failed(self, msg: KVTransferFailed, _sender: str = "") -> None:

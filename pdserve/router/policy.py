@@ -8,6 +8,10 @@ router asks it once per request (:meth:`RoutingPolicy.route`) and carries the re
 accepting decode worker (ties to the one holding the longest cached prefix of the prompt)
 runs the request; its prompt is prefilled by a prefill worker when at least
 ``prefill_threshold`` of its tokens are not cached there, else by the decode worker itself.
+
+:class:`PredictedTTFTPolicy` needs no threshold: it predicts each path's time to first
+token from the rates the workers measure and report, and weighs what a local prefill costs
+the decode worker's running requests (see its docstring).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ class Route:
     kind: str
     decode: WorkerInfo
     num_cached_tokens: int = 0
+    #: for :data:`REMOTE_PREFILL`: the prefill worker the policy chose (None: the router
+    #: takes the least-loaded one when the decode worker has reserved blocks)
+    prefill: WorkerInfo | None = None
 
 
 class ClusterView(Protocol):
@@ -116,3 +123,102 @@ def choose_decode(prompt_token_ids: list[int], workers: ClusterView,
         if best_key is None or key < best_key:
             best, best_key = worker, key
     return best, (0 if best_key is None else -best_key[1])
+
+
+@dataclass(frozen=True)
+class PathEstimate:
+    """One path's predicted cost for a prompt (seconds).
+
+    Attributes:
+        ttft_s: until the prompt's first token: the worker's queued prefill tokens plus
+            this prompt's, at its measured rate (plus, remote, the measured handshake
+            overhead and pushing the KV at the measured link rate, an upper bound since
+            layers are pushed while later ones are prefilled).
+        stall_s: decode time the prefill takes from the decode worker's running requests,
+            summed over them (a local prefill of N tokens delays each of them by N / rate).
+        worker: who prefills.
+    """
+
+    ttft_s: float
+    stall_s: float
+    worker: WorkerInfo
+
+    @property
+    def cost_s(self) -> float:
+        """What the policy minimizes: the request's wait plus the others' added waits."""
+        return self.ttft_s + self.stall_s
+
+
+def local_estimate(decode: WorkerInfo, num_uncached: int) -> PathEstimate | None:
+    """The decode worker prefills ``num_uncached`` tokens itself; None while its prefill
+    rate is unknown."""
+    rate = decode.prefill_tokens_per_s
+    if rate <= 0:
+        return None
+    num_running = 0 if decode.load is None else decode.load.num_running
+    return PathEstimate((decode.num_prefill_tokens_queued + num_uncached) / rate,
+                        num_running * num_uncached / rate, decode)
+
+
+def remote_estimate(prefill: WorkerInfo, num_tokens: int) -> PathEstimate | None:
+    """``prefill`` prefills all ``num_tokens`` and pushes their KV; None while its prefill
+    rate is unknown (an unknown link rate counts as free until the first transfer)."""
+    rate = prefill.prefill_tokens_per_s
+    if rate <= 0:
+        return None
+    transfer_s = 0.0
+    if prefill.kv_bytes_per_s > 0:
+        transfer_s = num_tokens * prefill.kv_bytes_per_token / prefill.kv_bytes_per_s
+    return PathEstimate((prefill.num_prefill_tokens_queued + num_tokens) / rate + transfer_s
+                        + prefill.remote_overhead_s, 0.0, prefill)
+
+
+@dataclass(frozen=True)
+class PredictedTTFTPolicy:
+    """Route each prompt by predicted cost instead of a fixed length.
+
+    The least-loaded decode worker D (as :func:`choose_decode`) runs the request either
+    way. Local: D prefills the prompt's tokens it does not hold cached, behind its queued
+    prefill tokens, at its measured rate, and its running requests wait that long. Remote:
+    the prefill worker with the cheapest estimate prefills the whole prompt behind its own
+    queue, at its rate, and pushes the KV. The cheaper :attr:`PathEstimate.cost_s` wins,
+    local on a tie. Rates and queues come from the workers' heartbeats (moving averages of
+    measured steps) and the router's own count of what it sent since; a long follow-up
+    turn whose history D holds stays local because only uncached tokens count.
+
+    While D's or every prefill worker's rate is unknown (no prefill measured yet), and for
+    requests that must stay local (prompt logprobs) or cannot go remote (no prefill
+    worker, D takes no pushed KV), it routes as :class:`ThresholdPolicy` at
+    ``prefill_threshold``.
+
+    Raises:
+        ValueError: ``prefill_threshold < 1``.
+    """
+
+    prefill_threshold: int = 512
+
+    def __post_init__(self) -> None:
+        if self.prefill_threshold < 1:
+            raise ValueError(f"prefill_threshold must be >= 1, got {self.prefill_threshold}")
+
+    def route(self, request: RouteRequest, workers: ClusterView) -> Route | None:
+        """The cheaper of the local and remote paths (see the class docstring)."""
+        fallback = ThresholdPolicy(self.prefill_threshold).route(request, workers)
+        if fallback is None or request.wants_prompt_logprobs or \
+                not fallback.decode.info.kv_address:
+            return fallback
+        decode, cached = fallback.decode, fallback.num_cached_tokens
+        num_tokens = len(request.prompt_token_ids)
+        local = local_estimate(decode, num_tokens - cached)
+        remotes = [e for p in workers.accepting("prefill")
+                   if (e := remote_estimate(p, num_tokens)) is not None]
+        if local is None or not remotes:
+            return fallback
+        remote = min(remotes, key=lambda e: e.cost_s)
+        if local.cost_s <= remote.cost_s:
+            return Route(LOCAL, decode, cached)
+        return Route(REMOTE_PREFILL, decode, cached, prefill=remote.worker)
+
+
+#: ``--routing`` choices -> policy class (each takes ``prefill_threshold``)
+POLICIES: dict[str, type] = {"threshold": ThresholdPolicy, "predicted": PredictedTTFTPolicy}

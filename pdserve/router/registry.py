@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 
 from pdserve.messages import Heartbeat, RegisterWorker
 
+#: Weight of the newest sample in the router's moving averages of a worker's transfers.
+EMA_WEIGHT = 0.2
+
+
+def moving_average(old: float, sample: float) -> float:
+    """Exponential moving average with :data:`EMA_WEIGHT`; ``old`` 0 means no history."""
+    return sample if old <= 0 else old + EMA_WEIGHT * (sample - old)
+
 
 @dataclass
 class WorkerInfo:
@@ -17,17 +25,56 @@ class WorkerInfo:
         last_seen_s: ``time.monotonic()`` of its last message.
         load: its last heartbeat (None before the first).
         inflight: request ids the router sent it that have not finished.
+        prefill_backlog: request id -> prompt tokens the router sent it to prefill that
+            have not produced a first token yet (counted before its heartbeat can).
+        kv_bytes_per_token: moving average of KV bytes it pushed per prompt token (a
+            prefill worker; 0 before its first transfer).
+        kv_bytes_per_s: moving average of its KV push rate, bytes over the seconds its
+            sender spent pushing (0 before its first transfer).
+        remote_overhead_s: moving average of what a remote prefill on it took beyond its
+            own prefill time: the reservation on the decode worker and the messages.
     """
 
     info: RegisterWorker
     last_seen_s: float
     load: Heartbeat | None = None
     inflight: set[str] = field(default_factory=set)
+    prefill_backlog: dict[str, int] = field(default_factory=dict)
+    kv_bytes_per_token: float = 0.0
+    kv_bytes_per_s: float = 0.0
+    remote_overhead_s: float = 0.0
 
     @property
     def worker_id(self) -> str:
         """The id the worker registered under (its zmq identity)."""
         return self.info.worker_id
+
+    def observe_transfer(self, num_bytes: int, num_tokens: int, push_s: float) -> None:
+        """Fold one finished KV push (``num_bytes`` for ``num_tokens`` prompt tokens, in
+        ``push_s`` seconds of pushing) into its transfer averages."""
+        if num_bytes > 0 and num_tokens > 0 and push_s > 0:
+            self.kv_bytes_per_token = moving_average(self.kv_bytes_per_token,
+                                                     num_bytes / num_tokens)
+            self.kv_bytes_per_s = moving_average(self.kv_bytes_per_s, num_bytes / push_s)
+
+    def observe_first_token(self, since_routed_s: float, prefill_time_s: float) -> None:
+        """Fold one remote first token into :attr:`remote_overhead_s`: it arrived
+        ``since_routed_s`` after the request was routed, of which the worker spent
+        ``prefill_time_s`` (queue and prefill)."""
+        self.remote_overhead_s = moving_average(self.remote_overhead_s,
+                                                max(since_routed_s - prefill_time_s, 1e-6))
+
+    @property
+    def num_prefill_tokens_queued(self) -> int:
+        """Prompt tokens waiting to be prefilled on it: what it reported, or what the
+        router sent it since, if more."""
+        reported = 0 if self.load is None else self.load.num_prefill_tokens_queued
+        return max(reported, sum(self.prefill_backlog.values()))
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Its measured prefill throughput (tokens/s; 0 while unknown)."""
+        return 0.0 if self.load is None else self.load.prefill_tokens_per_s
 
     @property
     def is_draining(self) -> bool:

@@ -109,6 +109,8 @@ class RemotePrefill:
         entered_s: ``time.monotonic()`` when ``state`` was entered.
         prefill_worker_id: P, once chosen.
         first_token_id: P's first token, once in.
+        preferred_prefill_id: the P the routing policy chose (taken if still accepting
+            once D has reserved blocks), or None.
     """
 
     prompt_token_ids: list[int]
@@ -117,6 +119,7 @@ class RemotePrefill:
     entered_s: float = field(default_factory=time.monotonic)
     prefill_worker_id: str | None = None
     first_token_id: int | None = None
+    preferred_prefill_id: str | None = None
 
     def fire(self, event: RemoteEvent, now_s: float | None = None) -> RemoteState | None:
         """Apply ``event``: the new state, or None when this state ignores the event

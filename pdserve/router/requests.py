@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.policy import POLICIES
 from pdserve.router.remote_prefill import RemotePrefill
 
 
@@ -49,6 +50,8 @@ class RoutingConfig:
             (the decode worker's own KV deadline usually reports first); 0 waits for ever.
         max_waiting_per_worker: requests a decode worker may hold beyond those it runs
             (its queue); when the chosen worker's is full a new request gets 503 at once.
+        policy: the routing policy (``--routing``): "threshold" (the length threshold) or
+            "predicted" (:class:`~pdserve.router.policy.PredictedTTFTPolicy`).
 
     Raises:
         ValueError: naming the field.
@@ -60,8 +63,11 @@ class RoutingConfig:
     first_token_timeout_s: float = 600.0
     kv_timeout_s: float = 120.0
     max_waiting_per_worker: int = 512
+    policy: str = "threshold"
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.max_waiting_per_worker < 1:
             raise ValueError(f"max_waiting_per_worker must be >= 1, got "
                              f"{self.max_waiting_per_worker}")

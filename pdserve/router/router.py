@@ -52,10 +52,10 @@ from pdserve.messages import (
 from pdserve.router.handshake import RemotePrefillHandshake
 from pdserve.router.policy import (
     FALLBACK,
+    POLICIES,
     REMOTE_PREFILL,
     RouteRequest,
     RoutingPolicy,
-    ThresholdPolicy,
 )
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
@@ -111,7 +111,7 @@ class Router:
                  policy: RoutingPolicy | None = None) -> None:
         self.bind_address = address
         self.routing = routing or RoutingConfig()
-        self.policy = policy or ThresholdPolicy(self.routing.prefill_threshold)
+        self.policy = policy or POLICIES[self.routing.policy](self.routing.prefill_threshold)
         self.metrics = metrics
         self.registry = WorkerRegistry(heartbeat_interval_s, max_missed_heartbeats)
         self.max_num_inflight = max_num_inflight
@@ -243,10 +243,13 @@ class Router:
         self.handles[request_id] = handle
         decode.inflight.add(request_id)
         if route.kind == REMOTE_PREFILL:
-            handle.remote = RemotePrefill(list(prompt_token_ids), params)
+            handle.remote = RemotePrefill(list(prompt_token_ids), params,
+                                          preferred_prefill_id=route.prefill and
+                                          route.prefill.worker_id)
             self.send(decode.worker_id, ExpectRemoteKV(
                 request_id, list(prompt_token_ids), params, time.time()))
         else:
+            decode.prefill_backlog[request_id] = len(prompt_token_ids) - route.num_cached_tokens
             self.send(decode.worker_id, GenerateRequest(
                 request_id, list(prompt_token_ids), params, time.time()))
         return handle
@@ -282,6 +285,7 @@ class Router:
         if exc is not None:
             handle.queue.put_nowait(exc)
             logger.debug("%s ends (%s): %s", rid, outcome, exc)
+        self._forget_backlog(handle)
         worker = self.registry.workers.get(handle.worker_id)
         if worker is not None:
             worker.inflight.discard(rid)
@@ -300,8 +304,19 @@ class Router:
         old = self.registry.workers.get(handle.worker_id)
         if old is not None:
             old.inflight.discard(handle.request_id)
+            old.prefill_backlog.pop(handle.request_id, None)
         handle.worker_id = decode.worker_id
         decode.inflight.add(handle.request_id)
+
+    def _forget_backlog(self, handle: RequestHandle) -> None:
+        """``handle``'s prompt no longer waits for a prefill on any of its workers."""
+        ids = [handle.worker_id]
+        if handle.remote is not None and handle.remote.prefill_worker_id is not None:
+            ids.append(handle.remote.prefill_worker_id)
+        for worker_id in ids:
+            worker = self.registry.workers.get(worker_id)
+            if worker is not None:
+                worker.prefill_backlog.pop(handle.request_id, None)
 
     # -- worker outputs ----------------------------------------------------------------------
     def _on_step_outputs(self, msg: StepOutputs, sender: str = "") -> None:
@@ -311,8 +326,10 @@ class Router:
             if handle is None:
                 continue  # ended meanwhile
             if handle.worker_id != msg.worker_id:
-                self._drop("not_its_request", sender, f"delta for {delta.request_id!r}")
+                self.socket.drop("not_its_request", sender, f"delta for {delta.request_id!r}")
                 continue
+            if handle.num_deltas == 0:  # its prefill is done
+                self._forget_backlog(handle)
             handle.deliver(delta)
             if delta.finished:
                 self.end(handle, FINISHED, abort_workers=False)
