@@ -434,8 +434,14 @@ def test_abort_and_messages_about_others_requests(harness):
                                       max_model_len=4096, block_size=BLOCK,
                                       num_kv_blocks=256, pid=1))
     harness.take()
-    harness.recv("d1", StepOutputs("d1", [delta("r1", [9], finished=True)]))
+    local = harness.router.add_request("r2", prompt(8, 70_000), SamplingParams(max_tokens=4))
+    assert local.worker_id == "d1"  # the less loaded one
+    harness.take()
+    # one message: a delta for d0's request (dropped, counted) and one for its own
+    harness.recv("d1", StepOutputs("d1", [delta("r1", [9], finished=True),
+                                          delta("r2", [5])]))
     assert "r1" in harness.router.handles and drain(handle) == []
+    assert [d.new_token_ids for d in drain(local)] == [[5]]
     harness.router.abort("r1")
     assert sorted(harness.take()) == [("d0", "AbortRequests"), ("p0", "AbortRequests")]
     harness.router.abort("r1")  # twice: nothing more
