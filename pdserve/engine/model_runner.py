@@ -3,32 +3,27 @@ KV cache, computes logits only for rows that sample, and samples them."""
 
 from __future__ import annotations
 
-import math
-import os
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from pdserve.engine.attention import AttentionInputs, get_backend
-from pdserve.engine.config import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
-    DEFAULT_GPU_KV_CACHE_FRACTION,
-    EngineConfig,
-    ModelArchConfig,
-)
 from pdserve.engine.compiled.cuda_graphs import CUDAGraphRunner
 from pdserve.engine.compiled.fused_decode import FusedCpuDecode
+from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
 from pdserve.engine.models import get_model_class
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.paged_kv_cache import PagedKVCache
 from pdserve.engine.sample import Sampler, SamplingMetadata, gather_logprobs
 from pdserve.engine.sample.logprobs import prompt_logprobs, token_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode.rejection_sampler import RejectionSampler
+from pdserve.engine.step_inputs import StepInputs
 from pdserve.engine.structured_output import (
     StepMasks,
     StructuredOutputManager,
@@ -122,24 +117,6 @@ def load_model(arch: ModelArchConfig, checkpoint: Checkpoint, dtype: torch.dtype
     return model
 
 
-def _zeros_committed_on_touch(shape: tuple[int, ...], dtype: torch.dtype,
-                              device: torch.device) -> torch.Tensor:
-    """``torch.zeros(shape, dtype)``; on CPU from ``calloc`` (numpy's zeros), whose large
-    blocks are fresh zero pages the OS commits only when first written: the KV cache's
-    resident memory grows with the blocks in use instead of the whole budget at start."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-
-
-def _available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 class ModelRunner:
     """Owns the model weights, the paged KV cache and the sampler.
 
@@ -162,7 +139,7 @@ class ModelRunner:
         self.structured_output = structured_output
         self.arch = arch
         self.device = config.torch_device
-        self.dtype = config.resolve_dtype(None)
+        self.dtype = config.resolve_dtype()
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.backend = get_backend(config.attention_backend, self.device)
@@ -170,30 +147,11 @@ class ModelRunner:
                                 max_model_len, config.load_progress, config.quantization,
                                 config.quantization_skip)
         self.weight_memory = weight_memory(self.model)
-        self.weight_bytes = self.weight_memory.total_bytes
-
-        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
-        self.num_kv_blocks = self._decide_num_blocks()
-        if self.num_kv_blocks * self.block_size < max_model_len:
-            raise ValueError(
-                f"KV cache budget ({self.num_kv_blocks} blocks of {self.block_size} tokens) cannot "
-                f"hold one sequence of max_model_len={max_model_len}; raise the KV budget "
-                "(num_kv_blocks / kv_cache_memory_bytes / kv_cache_memory_fraction) or lower "
-                "max_model_len"
-            )
-        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = _zeros_committed_on_touch(
-            (arch.num_layers, 2, self.num_kv_blocks, self.block_size, arch.num_kv_heads,
-             arch.head_dim), self.kv_cache_dtype, self.device)
-        # FP8 only: [num_layers, 2 (K, V), num_blocks, num_kv_heads] fp32, the wire format's.
-        self.kv_scales: torch.Tensor | None = None
-        if self.is_fp8_kv_cache:
-            self.kv_scales = torch.ones((arch.num_layers, 2, self.num_kv_blocks,
-                                         arch.num_kv_heads), dtype=torch.float32,
-                                        device=self.device)
-        self.kv_caches = [self._layer_kv_cache(i) for i in range(arch.num_layers)]
-        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size() + (
-            0 if self.kv_scales is None else self.kv_scales.numel() * 4)
+        self.kv = PagedKVCache(config, arch, self.dtype, max_model_len)
+        # the cache under the names the engine, the workers and the drafters use
+        self.kv_cache, self.kv_scales = self.kv.cache, self.kv.scales
+        self.kv_caches, self.num_kv_blocks = self.kv.layers, self.kv.num_blocks
+        self.kv_cache_bytes = self.kv.num_bytes
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.default_generator = torch.Generator(device=self.device)
@@ -205,105 +163,19 @@ class ModelRunner:
             self.model, self.kv_cache, self.block_size, self.dtype, self.device,
             int8_lm_head=config.quantization == "gguf"))
 
-    @property
-    def is_fp8_kv_cache(self) -> bool:
-        return self.kv_cache_dtype == torch.float8_e4m3fn
-
-    def _layer_kv_cache(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """``(k_cache, v_cache)``, plus ``(k_scales, v_scales)`` for an FP8 cache."""
-        caches = (self.kv_cache[layer, 0], self.kv_cache[layer, 1])
-        if self.kv_scales is None:
-            return caches
-        return caches + (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
-
     def read_kv_blocks(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:
-        """Copy of some blocks, all layers (or only ``layer``), in the compute dtype (FP8
-        codes dequantized).
-
-        Returns:
-            ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]``
-            (``num_layers`` = 1 with ``layer``).
-        """
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        layers = slice(None) if layer is None else slice(layer, layer + 1)
-        if self.kv_scales is None:
-            return self.kv_cache[layers].index_select(2, ids)
-        codes, scales = self.read_fp8_kv_blocks(block_ids, layer)
-        return (codes.to(torch.float32) * scales[:, :, :, None, :, None]).to(self.dtype)
+        """Copy of blocks in the compute dtype (:meth:`PagedKVCache.read_blocks`)."""
+        return self.kv.read_blocks(block_ids, layer)
 
     def read_fp8_kv_blocks(self, block_ids: list[int], layer: int | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """An FP8 cache's blocks as they are, ready for the wire without re-quantizing.
-
-        Returns:
-            ``(codes, scales)``: ``[num_layers, 2, n, block_size, H, D]`` float8_e4m3fn and
-            ``[num_layers, 2, n, H]`` fp32 (the wire format's layout); ``num_layers`` = 1
-            with ``layer``.
-
-        Raises:
-            ValueError: the cache is not FP8.
-        """
-        if self.kv_scales is None:
-            raise ValueError("read_fp8_kv_blocks needs kv_cache_dtype='fp8'")
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        layers = slice(None) if layer is None else slice(layer, layer + 1)
-        codes = self.kv_cache[layers].view(torch.uint8).index_select(2, ids).view(
-            self.kv_cache_dtype)
-        return codes, self.kv_scales[layers].index_select(2, ids)
+        """An FP8 cache's codes and scales as stored (:meth:`PagedKVCache.read_fp8_blocks`)."""
+        return self.kv.read_fp8_blocks(block_ids, layer)
 
     def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor, num_tokens: int,
                         scales: torch.Tensor | None = None) -> None:
-        """Store received blocks (e.g. a remote prefill's) into this cache.
-
-        Args:
-            block_ids: destination blocks, in order.
-            kv: ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]``, any
-                float dtype, any device; or float8_e4m3fn codes with their ``scales``.
-            num_tokens: valid tokens in ``kv`` (the last block may be partial). An FP8 cache
-                quantizes ``kv`` as the wire format does (one scale per layer, K/V, block, KV
-                head), after zeroing the positions past ``num_tokens`` so stale values do not
-                widen the last block's scale; FP8 codes and scales are stored as they are.
-            scales: ``[num_layers, 2, len(block_ids), num_kv_heads]`` fp32 with FP8 ``kv``.
-
-        Raises:
-            ValueError: FP8 ``kv`` without scales or into a cache that is not FP8.
-        """
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        if (kv.dtype == torch.float8_e4m3fn) != (scales is not None):
-            raise ValueError("scales: give them exactly with float8_e4m3fn kv")
-        if scales is not None:
-            if self.kv_scales is None:
-                raise ValueError("FP8 blocks need kv_cache_dtype='fp8' (dequantize them first)")
-            self.kv_cache.view(torch.uint8)[:, :, ids] = kv.view(torch.uint8).to(self.device)
-            self.kv_scales[:, :, ids] = scales.to(self.device)
-            return
-        if self.kv_scales is None:
-            self.kv_cache[:, :, ids] = kv.to(device=self.device, dtype=self.kv_cache.dtype)
-            return
-        from pdserve.fp8 import quantize_blocks  # noqa: PLC0415
-
-        kv = kv.to(device="cpu", dtype=torch.float32).clone()
-        kv.view(*kv.shape[:2], -1, *kv.shape[4:])[:, :, num_tokens:] = 0
-        payload, scales = quantize_blocks(kv)
-        self.kv_cache.view(torch.uint8)[:, :, ids] = payload.view(torch.uint8).to(self.device)
-        self.kv_scales[:, :, ids] = scales.to(self.device)
-
-    def _decide_num_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        bytes_per_block = self.arch.kv_bytes_per_token(self.kv_cache_dtype) * self.block_size
-        if self.kv_cache_dtype == torch.float8_e4m3fn:  # + one fp32 scale per layer, K/V, head
-            bytes_per_block += 2 * self.arch.num_layers * self.arch.num_kv_heads * 4
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif cfg.kv_cache_memory_fraction is not None:
-            budget = int(_available_memory_bytes(self.device) * cfg.kv_cache_memory_fraction)
-        elif self.device.type == "cuda":
-            budget = int(_available_memory_bytes(self.device) * DEFAULT_GPU_KV_CACHE_FRACTION)
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return max(1, budget // bytes_per_block)
+        """Store received blocks (:meth:`PagedKVCache.write_blocks`)."""
+        self.kv.write_blocks(block_ids, kv, num_tokens, scales)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, aux_layer_ids: tuple[int, ...] = (),
@@ -319,61 +191,33 @@ class ModelRunner:
             layer_done: called with each layer's index once its K/V is written (a
                 prefill worker streaming KV layer by layer).
         """
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        plain: list[tuple[ScheduledRequest, int]] = []  # (scheduled, its last row)
-        verify: list[tuple[ScheduledRequest, int]] = []  # (scheduled, its first verified row)
-        query_starts: list[int] = []
-        for s in sched.scheduled:
-            req, n, k = s.request, s.num_new_tokens, s.num_spec_tokens
-            start = req.num_computed_tokens
-            end = start + n
-            bt = req.block_table
-            query_starts.append(len(input_ids))
-            input_ids.extend(req.token_ids[start:end - k])
-            input_ids.extend(s.spec_token_ids)
-            positions.extend(range(start, end))
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
-            block_tables.append(bt)
-            if s.is_sampling:
-                last_row = len(input_ids) - 1
-                if k:
-                    verify.append((s, last_row - k))
-                else:
-                    plain.append((s, last_row))
-
+        batch = StepInputs.build(sched.scheduled, self.block_size)
         # grammar masks depend only on tokens already emitted: fill them during the forward
         masks = None
         if self.structured_output is not None:
             masks = self.structured_output.submit_step_masks(
-                [s.request.grammar for s, _ in plain],
-                [(s.request.grammar, s.spec_token_ids) for s, _ in verify])
-        dev = self.device
+                [s.request.grammar for s, _ in batch.plain],
+                [(s.request.grammar, s.spec_token_ids) for s, _ in batch.verify])
         attn_inputs = AttentionInputs(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
-            num_decodes=sched.num_decodes, block_size=bs,
+            slot_mapping=torch.tensor(batch.slots, dtype=torch.int64, device=self.device),
+            query_lens=batch.query_lens, seq_lens=batch.seq_lens,
+            block_tables=batch.block_tables, num_decodes=sched.num_decodes,
+            block_size=self.block_size,
         )
-        hidden, features = self.forward(input_ids, positions, attn_inputs, aux_layer_ids,
-                                        layer_done)
+        hidden, features = self.forward(batch.input_ids, batch.positions, attn_inputs,
+                                        aux_layer_ids, layer_done)
         # for the drafter: this step's hidden states, each scheduled request's first row in
         # them and its num_computed_tokens before the step
-        step_hidden = StepHidden(hidden if features is None else features, query_starts,
+        step_hidden = StepHidden(hidden if features is None else features, batch.query_starts,
                                  [s.request.num_computed_tokens for s in sched.scheduled])
         step_masks = masks.result() if masks is not None else None
-        prompt_lps = prompt_logprobs(hidden, sched.scheduled, query_starts, self.compute_logits)
+        prompt_lps = prompt_logprobs(hidden, sched.scheduled, batch.query_starts,
+                                     self.compute_logits)
         results: dict[str, tuple[list[int], list[TokenLogprob] | None, int, int]] = {}
-        if plain:
-            results.update(self._sample_plain(hidden, plain, step_masks))
-        if verify:
-            results.update(self._verify_drafts(hidden, verify, step_masks))
+        if batch.plain:
+            results.update(self._sample_plain(hidden, batch.plain, step_masks))
+        if batch.verify:
+            results.update(self._verify_drafts(hidden, batch.verify, step_masks))
         order = [s.request.request_id for s in sched.scheduled
                  if s.request.request_id in results]
         return ModelRunnerOutput(
@@ -431,12 +275,11 @@ class ModelRunner:
             return self.fused_decode.compute_logits(hidden)
         return self.model.compute_logits(hidden)
 
-    def _sampling_metadata(self, requests: list, output_token_ids: list[list[int]],
-                           vocab_size: int) -> SamplingMetadata:
+    def _sampling_metadata(self, requests: list, vocab_size: int) -> SamplingMetadata:
         return SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=output_token_ids,
+            output_token_ids=[r.output_token_ids for r in requests],
             generators=[r.generator for r in requests],
             eos_token_id=self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None,
             vocab_size=vocab_size,
@@ -449,8 +292,7 @@ class ModelRunner:
         reqs = [s.request for s, _ in plain]
         rows = torch.tensor([row for _, row in plain], dtype=torch.int64, device=self.device)
         logits = self.compute_logits(hidden[rows])  # [num_plain, vocab] fp32
-        smeta = self._sampling_metadata(reqs, [r.output_token_ids for r in reqs],
-                                        logits.shape[-1])
+        smeta = self._sampling_metadata(reqs, logits.shape[-1])
         if masks is not None and masks.plain_rows:
             smeta.grammar_bitmask = masks.plain_bitmask
             smeta.grammar_rows = masks.plain_rows
@@ -471,8 +313,7 @@ class ModelRunner:
         rows = torch.tensor([first + j for s, first in verify for j in range(s.num_spec_tokens + 1)],
                             dtype=torch.int64, device=self.device)
         logits = self.compute_logits(hidden[rows])  # [sum(k_i + 1), vocab] fp32
-        smeta = self._sampling_metadata(reqs, [r.output_token_ids for r in reqs],
-                                        logits.shape[-1])
+        smeta = self._sampling_metadata(reqs, logits.shape[-1])
         target = logits
         if masks is not None and masks.verify_rows:
             target = apply_token_bitmask(logits.float().clone(), masks.verify_bitmask,
@@ -484,10 +325,7 @@ class ModelRunner:
         logprobs = None
         if smeta.max_num_logprobs is not None:
             # emitted token j of a request is scored by its verified row j
-            starts, total = [], 0
-            for s, _ in verify:
-                starts.append(total)
-                total += s.num_spec_tokens + 1
+            starts = itertools.accumulate((s.num_spec_tokens + 1 for s, _ in verify), initial=0)
             emit_rows = torch.tensor([st + j for st, toks in zip(starts, emitted)
                                       for j in range(len(toks))], dtype=torch.int64,
                                      device=self.device)

@@ -26,7 +26,8 @@ class LogprobsTensors:
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
                     num_top: int) -> LogprobsTensors:
-    """Logprobs of the sampled ``[B]`` int64 tokens and the ``num_top`` best, from ``[B, V]`` fp32."""
+    """Logprobs of the sampled ``[B]`` int64 tokens and the ``num_top`` best, from
+    ``[B, V]`` fp32 raw logprobs."""
     sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
     ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
     top_logprobs, top_token_ids = raw_logprobs.topk(num_top, dim=-1)
