@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-#: dtype names accepted by ``EngineConfig.dtype``; "auto" picks bf16 on CUDA, bf16 on CPU.
+#: dtype names accepted by ``EngineConfig.dtype``; "auto" picks bf16.
 DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "bfloat16": torch.bfloat16,
@@ -112,17 +112,24 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        self._check_kv_cache()
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_speculation()
+
+    def _check_kv_cache(self) -> None:
         budgets = [self.num_kv_blocks, self.kv_cache_memory_bytes, self.kv_cache_memory_fraction]
         if sum(b is not None for b in budgets) > 1:
             raise ValueError(
                 "give at most one of num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction"
             )
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(
-                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
-            )
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
@@ -130,14 +137,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
-            )
+
+    def _check_speculation(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, "
                              f"got {self.speculative_method!r}")
@@ -176,6 +177,7 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        """:attr:`device` as a ``torch.device``."""
         return torch.device(self.device)
 
     @property
@@ -186,12 +188,9 @@ class EngineConfig:
             return self.speculative_disable_by_batch_size
         return DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE.get(self.speculative_method, 0)
 
-    def resolve_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    def resolve_dtype(self) -> torch.dtype:
         """The compute dtype: the configured one, or bf16 for "auto"."""
-        chosen = DTYPES[self.dtype]
-        if chosen is not None:
-            return chosen
-        return torch.bfloat16
+        return DTYPES[self.dtype] or torch.bfloat16
 
     def resolve_kv_cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element dtype: ``compute_dtype`` for "auto", else float8_e4m3fn."""
@@ -224,6 +223,8 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "ModelArchConfig":
+        """Read ``hf`` (defaults as transformers': KV heads = heads, head_dim = hidden /
+        heads, ...); raises ValueError (see the class) when a required field is missing."""
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' field")

@@ -13,10 +13,10 @@ from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.loader.checkpoint import load_checkpoint
 from pdserve.engine.loader.default_model import resolve_model
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestDelta
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.outputs import RequestDelta, TokenLogprob
+from pdserve.engine.request import Request, RequestStatus, resolve_max_tokens
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.spec_decode import SpecDecodeStats, build_proposer
 from pdserve.engine.structured_output import StructuredOutputManager
 
@@ -49,45 +49,37 @@ class LLMEngine:
         self.arch = ModelArchConfig.from_hf_config(checkpoint.hf_config)
         model_max = self.arch.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) exceeds the model's maximum "
-                f"context length (max_position_embeddings={model_max})"
-            )
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's maximum "
+                             f"context length (max_position_embeddings={model_max})")
         self.max_model_len = config.max_model_len or model_max
         torch.manual_seed(config.seed)
         self.structured_output = StructuredOutputManager(
             self.model_path, self.arch.vocab_size, list(self.arch.eos_token_ids))
         self.runner = ModelRunner(config, self.arch, checkpoint, self.max_model_len,
                                   structured_output=self.structured_output)
-        self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
-        )
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
         self.proposer = build_proposer(config, self.runner, self.block_manager,
                                        self.max_model_len)
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
         self.requests: dict[str, Request] = {}
         #: request id -> [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.exported_kv: dict[str, torch.Tensor] = {}
-        #: Prefill-worker mode, optional: ``(request_id, layer, kv, scales,
-        #: num_prompt_tokens)`` receives each layer of an ``export_kv`` request's prompt KV
-        #: as soon as the step that completes its prefill has written that layer, so sending
-        #: overlaps the rest of the forward. ``kv [1, 2, num_blocks, block_size,
-        #: num_kv_heads, head_dim]`` is a copy in the compute dtype with ``scales`` None, or,
-        #: from an FP8 cache, its float8_e4m3fn codes as stored with ``scales [1, 2,
-        #: num_blocks, num_kv_heads]`` fp32 (the wire format's; nothing is re-quantized).
-        #: Such requests get no :attr:`exported_kv` entry.
+        #: Prefill-worker mode, optional: ``(request_id, layer, kv, scales, num_prompt_tokens)``
+        #: gets each layer of an ``export_kv`` request's prompt KV once the step completing its
+        #: prefill has written it (sending overlaps the rest of the forward): ``kv [1, 2,
+        #: num_blocks, block_size, num_kv_heads, head_dim]`` in the compute dtype with ``scales``
+        #: None, or an FP8 cache's codes as stored with ``scales [1, 2, num_blocks,
+        #: num_kv_heads]`` fp32 (nothing re-quantized). Such requests get no :attr:`exported_kv`.
         self.kv_layer_sink: Callable[
             [str, int, torch.Tensor, torch.Tensor | None, int], None] | None = None
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
-        logger.info(
-            "engine ready: %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d",
-            self.arch.architecture, self.runner.dtype, self.runner.num_kv_blocks,
-            config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len,
-        )
+        logger.info("engine ready: %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d",
+                    self.arch.architecture, self.runner.dtype, self.runner.num_kv_blocks,
+                    config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len)
 
     # -- requests ------------------------------------------------------------------------
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
@@ -96,33 +88,12 @@ class LLMEngine:
         """Validate and build a request (not yet queued).
 
         Raises:
-            ValueError: duplicate id, empty prompt, token id outside the vocabulary, or
-                prompt (+ max_tokens) longer than ``max_model_len``.
+            ValueError: duplicate id, or as :func:`~pdserve.engine.request.resolve_max_tokens`.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.arch.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {num_prompt} tokens; the maximum context length is "
-                f"{self.max_model_len}, which leaves no room for output"
-            )
-        room = self.max_model_len - num_prompt
-        max_tokens = sampling_params.max_tokens
-        if max_tokens is None:
-            max_tokens = room
-        elif max_tokens > room:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
-                f"context length {self.max_model_len}"
-            )
-        if sampling_params.logit_bias and any(t >= vocab for t in sampling_params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be < vocab size {vocab}")
+        max_tokens = resolve_max_tokens(prompt_token_ids, sampling_params, self.arch.vocab_size,
+                                        self.max_model_len)
         if max_tokens_override is not None:
             max_tokens = min(max_tokens, max_tokens_override)
         request = Request(request_id, prompt_token_ids, sampling_params, max_tokens,
@@ -274,6 +245,7 @@ class LLMEngine:
 
     @property
     def num_waiting_for_kv(self) -> int:
+        """Requests parked with reserved blocks until their remote prefill's KV arrives."""
         return sum(r.status is RequestStatus.WAITING_FOR_KV for r in self.requests.values())
 
     def pop_exported_kv(self, request_id: str) -> torch.Tensor | None:
@@ -291,6 +263,7 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------------------
     @property
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is waiting or running (``step`` has work); parked ones don't count."""
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestDelta]:
@@ -306,60 +279,16 @@ class LLMEngine:
         out = self.runner.execute(
             sched, self.proposer.target_aux_layer_ids if self.proposer is not None else (),
             layer_done)
-        num_accepted = dict(zip(out.request_ids, out.num_accepted_tokens))
         for request_id, items in out.prompt_logprobs.items():
             self.requests[request_id].prompt_logprobs.extend(items)
-        for s in sched.scheduled:
-            req = s.request
-            # rejected drafts' K/V stays in the slots past num_computed_tokens (overwritten later)
-            rejected = s.num_spec_tokens - num_accepted.get(req.request_id, s.num_spec_tokens)
-            req.num_computed_tokens += s.num_new_tokens - rejected
-            if rejected:  # roll back: blocks that only held rejected drafts go back
-                self.block_manager.trim(req, req.num_computed_tokens + 1)
-            self.block_manager.cache_computed_blocks(req)
-        deltas: list[RequestDelta] = []
-        finished: set[str] = set()
-        for request_id, token_ids, logprobs, num_draft, num_acc in zip(
-                out.request_ids, out.sampled_token_ids, out.logprobs, out.num_draft_tokens,
-                out.num_accepted_tokens):
-            req = self.requests[request_id]
-            if num_draft:
-                self.spec_stats.observe(num_draft, num_acc)
-            status = None
-            new_ids: list[int] = []
-            for token_id in token_ids:
-                req.append_output_token(token_id)
-                new_ids.append(token_id)
-                if req.num_output_tokens == 1:
-                    self.num_prompt_tokens += req.num_prompt_tokens
-                status = req.check_stop(self.max_model_len)
-                if req.grammar is not None and status is None:
-                    status = self._advance_grammar(req, token_id)
-                if status is not None:
-                    break
-            self.num_generation_tokens += len(new_ids)
-            if status is not None:
-                if req.export_kv and request_id not in streamed:
-                    self.exported_kv[request_id] = self._copy_prompt_kv(req)
-                self.scheduler.finish(req, status)
-                del self.requests[request_id]
-                finished.add(request_id)
-            queue_time_s = None
-            first_delta = req.num_output_tokens == len(new_ids)
-            if first_delta and req.first_scheduled_s is not None:
-                queue_time_s = req.first_scheduled_s - req.added_s
-            prompt_lps = None
-            if first_delta and req.sampling_params.prompt_logprobs is not None:
-                prompt_lps = req.prompt_logprobs
-            deltas.append(RequestDelta(
-                request_id=request_id, new_token_ids=new_ids,
-                new_logprobs=logprobs[:len(new_ids)] if logprobs is not None else None,
-                finish_reason=status.finish_reason if status else None,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=req.num_cached_tokens, queue_time_s=queue_time_s,
-                prompt_logprobs=prompt_lps,
-            ))
+        self._advance_computed(sched, dict(zip(out.request_ids, out.num_accepted_tokens)))
+        deltas = [self._append_tokens(request_id, token_ids, logprobs, num_draft, num_acc,
+                                      request_id in streamed)
+                  for request_id, token_ids, logprobs, num_draft, num_acc in zip(
+                      out.request_ids, out.sampled_token_ids, out.logprobs,
+                      out.num_draft_tokens, out.num_accepted_tokens)]
         if self.proposer is not None:
+            finished = {d.request_id for d in deltas if d.finished}
             cap = self.config.spec_disable_batch_size
             self.proposer.propose(sched, [s.request for s in sched.scheduled
                                          if s.request.request_id not in finished],
@@ -367,6 +296,59 @@ class LLMEngine:
                                   allow_drafts=not cap or len(self.scheduler.running) < cap)
         self.spec_stats.maybe_log()
         return deltas
+
+    def _advance_computed(self, sched: SchedulerOutput, num_accepted: dict[str, int]) -> None:
+        """Count the step's tokens as computed, except rejected drafts (their K/V stays in
+        the slots past ``num_computed_tokens``, overwritten later): blocks that only held
+        them go back, and newly full blocks enter the prefix cache."""
+        for s in sched.scheduled:
+            req = s.request
+            rejected = s.num_spec_tokens - num_accepted.get(req.request_id, s.num_spec_tokens)
+            req.num_computed_tokens += s.num_new_tokens - rejected
+            if rejected:
+                self.block_manager.trim(req, req.num_computed_tokens + 1)
+            self.block_manager.cache_computed_blocks(req)
+
+    def _append_tokens(self, request_id: str, token_ids: list[int],
+                       logprobs: list[TokenLogprob] | None, num_draft: int, num_accepted: int,
+                       kv_streamed: bool) -> RequestDelta:
+        """Append a request's sampled tokens up to the first that stops it, and finish the
+        request if one did (an ``export_kv`` request whose KV was not streamed layer by
+        layer leaves a copy in :attr:`exported_kv`). Returns the step's delta for it."""
+        req = self.requests[request_id]
+        if num_draft:
+            self.spec_stats.observe(num_draft, num_accepted)
+        status = None
+        new_ids: list[int] = []
+        for token_id in token_ids:
+            req.append_output_token(token_id)
+            new_ids.append(token_id)
+            if req.num_output_tokens == 1:
+                self.num_prompt_tokens += req.num_prompt_tokens
+            status = req.check_stop(self.max_model_len)
+            if req.grammar is not None and status is None:
+                status = self._advance_grammar(req, token_id)
+            if status is not None:
+                break
+        self.num_generation_tokens += len(new_ids)
+        if status is not None:
+            if req.export_kv and not kv_streamed:
+                num_blocks = self.block_manager.num_blocks_for(req.num_prompt_tokens)
+                self.exported_kv[request_id] = self.runner.read_kv_blocks(
+                    req.block_table[:num_blocks])
+            self.scheduler.finish(req, status)
+            del self.requests[request_id]
+        first_delta = req.num_output_tokens == len(new_ids)
+        return RequestDelta(
+            request_id=request_id, new_token_ids=new_ids,
+            new_logprobs=logprobs[:len(new_ids)] if logprobs is not None else None,
+            finish_reason=status.finish_reason if status else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            queue_time_s=(req.first_scheduled_s - req.added_s
+                          if first_delta and req.first_scheduled_s is not None else None),
+            prompt_logprobs=(req.prompt_logprobs if first_delta
+                             and req.sampling_params.prompt_logprobs is not None else None),
+        )
 
     def _advance_grammar(self, req: Request, token_id: int) -> RequestStatus | None:
         """Consumes an emitted token; the request stops once its grammar has ended."""
@@ -403,16 +385,13 @@ class LLMEngine:
 
         return {t[0] for t in targets}, hook
 
-    def _copy_prompt_kv(self, req: Request) -> torch.Tensor:
-        """``[num_layers, 2, num_blocks, block_size, H, D]`` copy of the prompt's blocks."""
-        num_blocks = self.block_manager.num_blocks_for(req.num_prompt_tokens)
-        return self.runner.read_kv_blocks(req.block_table[:num_blocks])
-
     # -- load ----------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """KV blocks no live request holds (cached prefix blocks among them)."""
         return self.block_manager.num_free_blocks
 
     @property
     def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by live requests, 0.0 - 1.0."""
         return self.block_manager.usage

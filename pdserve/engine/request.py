@@ -13,6 +13,8 @@ from pdserve.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is; a finished status's value is its OpenAI finish reason."""
+
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
@@ -23,6 +25,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
+        """True for the three ``FINISHED_*`` statuses."""
         return self in _FINISHED
 
     @property
@@ -91,10 +94,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
         return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens generated so far (outputs given at :meth:`LLMEngine.add_request` count)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -105,13 +110,16 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy of the tokens after the prompt."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:
+        """Whether the request has stopped (for any reason)."""
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
+        """Append a generated token (its K/V is computed by a later step)."""
         self.token_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
@@ -126,3 +134,32 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def resolve_max_tokens(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                       max_model_len: int) -> int:
+    """A new request's output limit: ``params.max_tokens``, or all the room its prompt
+    leaves in ``max_model_len``.
+
+    Raises:
+        ValueError: empty prompt, a token id outside the vocabulary (prompt or
+            ``logit_bias``), or prompt (+ max_tokens) longer than ``max_model_len``.
+    """
+    if not prompt_token_ids:
+        raise ValueError("prompt must contain at least one token")
+    if any((not isinstance(t, int)) or t < 0 or t >= vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    num_prompt = len(prompt_token_ids)
+    if num_prompt >= max_model_len:
+        raise ValueError(f"prompt has {num_prompt} tokens; the maximum context length is "
+                         f"{max_model_len}, which leaves no room for output")
+    room = max_model_len - num_prompt
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the "
+                         f"maximum context length {max_model_len}")
+    if params.logit_bias and any(t >= vocab_size for t in params.logit_bias):
+        raise ValueError(f"logit_bias token ids must be < vocab size {vocab_size}")
+    return max_tokens
