@@ -78,6 +78,7 @@ class BlockManager:
     # -- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Blocks with no holder, cached ones included (they are evicted on reuse)."""
         return len(self.free_block_ids)
 
     @property
@@ -86,6 +87,7 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens (the last one maybe partly)."""
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def _update_hashes(self, request: Request) -> None:
@@ -169,11 +171,7 @@ class BlockManager:
         slots reserved for speculative tokens that were rejected)."""
         keep = self.num_blocks_for(num_tokens)
         while len(request.block_table) > keep:
-            block = self.blocks[request.block_table.pop()]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, "block freed twice"
-            if block.ref_count == 0:
-                self.free_block_ids[block.block_id] = None
+            self._release(request.block_table.pop())
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
@@ -222,9 +220,13 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so the tail is reused first)."""
         for block_id in reversed(request.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, "block freed twice"
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+            self._release(block_id)
         request.block_table = []
+
+    def _release(self, block_id: int) -> None:
+        """Drop one holder of the block; with none left it joins the free list's tail."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, "block freed twice"
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None

@@ -109,8 +109,5 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         """True when any presence/frequency/repetition penalty changes the logits."""
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

@@ -39,6 +39,7 @@ class ScheduledRequest:
 
     @property
     def num_spec_tokens(self) -> int:
+        """Draft tokens verified this step (the tail of ``num_new_tokens``)."""
         return len(self.spec_token_ids)
 
     @property
@@ -58,10 +59,12 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
+        """Tokens the step computes (its share of ``max_num_batched_tokens``)."""
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
+        """True when nothing is scheduled (no forward runs)."""
         return not self.scheduled
 
 
@@ -85,14 +88,17 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
+        """Requests holding blocks and scheduled each step (decoding or prefilling)."""
         return len(self.running)
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued for admission (new or preempted)."""
         return len(self.waiting)
 
     @property
     def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
@@ -117,12 +123,20 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's batch, in the order of the module docstring; may preempt."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        bm = self.block_manager
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        budget = self._schedule_decodes(out, decoding, self.max_num_batched_tokens)
+        budget = self._schedule_prefill_chunks(out, prefilling, budget)
+        self._admit_waiting(out, budget)
+        return out
 
+    def _schedule_decodes(self, out: SchedulerOutput, decoding: list[Request],
+                          budget: int) -> int:
+        """Decodes, plain ones first, then those verifying drafts; returns the budget left.
+        A decode that finds no block preempts the newest running request (maybe itself)."""
+        bm = self.block_manager
         verifying: list[ScheduledRequest] = []
         for req in decoding:
             if budget == 0:
@@ -151,7 +165,11 @@ class Scheduler:
             budget -= num_new
         out.num_decodes = len(out.scheduled)
         out.scheduled.extend(verifying)
+        return budget
 
+    def _schedule_prefill_chunks(self, out: SchedulerOutput, prefilling: list[Request],
+                                 budget: int) -> int:
+        """The next chunk of each running prefill; returns the budget left."""
         for req in prefilling:
             if budget == 0:
                 break
@@ -160,7 +178,12 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+        return budget
 
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while budget, ``max_num_seqs`` and blocks allow
+        (none in a step that preempted)."""
+        bm = self.block_manager
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
@@ -180,7 +203,6 @@ class Scheduler:
                 out.num_decodes += 1  # a one-token prefill can ride the decode path
             out.scheduled.append(scheduled)
             budget -= num_new
-        return out
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished, drop from the queues and free its blocks at once."""

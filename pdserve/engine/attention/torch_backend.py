@@ -167,6 +167,48 @@ def _context_slots(block_table: list[int], seq_len: int, block_size: int,
     return slots.to(device)
 
 
+def _store_new_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Write the step's K/V ``[num_tokens, Hkv, D]`` into their slots (an FP8 cache through
+    the KV store's torch reference, which quantizes)."""
+    if kv_scales is not None:
+        store_kv_reference(k, k_cache, slot_mapping, kv_scales[0])
+        store_kv_reference(v, v_cache, slot_mapping, kv_scales[1])
+        return
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillSeq,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+                       dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """One prefill's attention: ``q [n, H, D]`` in ``dtype``, ``k``/``v [n, Hkv, D]`` its
+    fresh rows -> ``[n, H, D]``."""
+    # Operands are 4-D [1, heads, n, D]: torch's CPU flash-attention kernel (GQA,
+    # causal or a bool mask) takes only 4-D ones; 3-D falls back to the math path,
+    # which materializes [H, n, L] scores (13x slower at 1,500 tokens, measured).
+    qp = q.transpose(0, 1)[None]  # [1, H, n, D]
+    if p.context_slots is None:
+        kp = k.to(dtype).transpose(0, 1)[None]
+        vp = v.to(dtype).transpose(0, 1)[None]
+        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                            enable_gqa=True)
+        return op[0].transpose(0, 1)
+    k_scales, v_scales = kv_scales if kv_scales is not None else (None, None)
+    kp = _gather(k_cache, k_scales, p.context_slots, dtype).transpose(0, 1)
+    vp = _gather(v_cache, v_scales, p.context_slots, dtype).transpose(0, 1)
+    if p.query_len <= _ROWS_MAX_QUERY:
+        return _rows_per_kv_head(q, kp, vp, p.mask, scale)
+    op = F.scaled_dot_product_attention(qp, kp[None], vp[None], attn_mask=p.mask, scale=scale,
+                                        enable_gqa=True)
+    return op[0].transpose(0, 1)
+
+
 class TorchAttentionBackend:
     """Torch reference backend; see the module docstring."""
 
@@ -184,6 +226,8 @@ class TorchAttentionBackend:
         return torch.float32 if self.upcast_16bit and dtype != torch.float32 else dtype
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
+        """Decode groups (slots gathered per group) and, per prefill, its context's slots
+        and causal mask; see :meth:`AttentionBackend.build_metadata`."""
         bs = inputs.block_size
         nd = inputs.num_decodes
         decode_groups = (_decode_groups(inputs.seq_lens[:nd], inputs.block_tables[:nd], bs,
@@ -201,9 +245,7 @@ class TorchAttentionBackend:
                 mask = k_pos[None, :] <= q_pos[:, None]
                 prefills.append(PrefillSeq(start, q_len, ctx, mask))
             start += q_len
-        return TorchAttentionMetadata(
-            inputs.slot_mapping, nd, decode_groups, prefills
-        )
+        return TorchAttentionMetadata(inputs.slot_mapping, nd, decode_groups, prefills)
 
     def forward(
         self,
@@ -216,18 +258,12 @@ class TorchAttentionBackend:
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`: store, attend each decode group in one SDPA
+        call (the query heads of a KV head as its rows), then each prefill."""
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         q_dtype = q.dtype
         k_scales, v_scales = kv_scales if kv_scales is not None else (None, None)
-        if kv_scales is None:
-            k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-            v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-            k_flat.index_copy_(0, metadata.slot_mapping, k.to(k_flat.dtype))
-            v_flat.index_copy_(0, metadata.slot_mapping, v.to(v_flat.dtype))
-        else:
-            store_kv_reference(k, k_cache, metadata.slot_mapping, k_scales)
-            store_kv_reference(v, v_cache, metadata.slot_mapping, v_scales)
-
+        _store_new_kv(k, v, k_cache, v_cache, metadata.slot_mapping, kv_scales)
         dtype = self._compute_dtype(q.dtype)
         nd = metadata.num_decodes
         if nd and not metadata.prefills:  # a decode-only step: the output is SDPA's own
@@ -258,26 +294,8 @@ class TorchAttentionBackend:
                 out.index_copy_(0, g.rows, od.to(q_dtype))
         for p in metadata.prefills:
             sl = slice(p.query_start, p.query_start + p.query_len)
-            # Operands are 4-D [1, heads, n, D]: torch's CPU flash-attention kernel (GQA,
-            # causal or a bool mask) takes only 4-D ones; 3-D falls back to the math path,
-            # which materializes [H, n, L] scores (13x slower at 1,500 tokens, measured).
-            qp = q[sl].transpose(0, 1)[None]  # [1, H, n, D]
-            if p.context_slots is None:
-                kp = k[sl].to(dtype).transpose(0, 1)[None]
-                vp = v[sl].to(dtype).transpose(0, 1)[None]
-                op = F.scaled_dot_product_attention(
-                    qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
-                )
-            else:
-                kp = _gather(k_cache, k_scales, p.context_slots, dtype).transpose(0, 1)
-                vp = _gather(v_cache, v_scales, p.context_slots, dtype).transpose(0, 1)
-                if p.query_len <= _ROWS_MAX_QUERY:
-                    out[sl] = _rows_per_kv_head(q[sl], kp, vp, p.mask, scale)
-                    continue
-                op = F.scaled_dot_product_attention(
-                    qp, kp[None], vp[None], attn_mask=p.mask, scale=scale, enable_gqa=True
-                )
-            out[sl] = op[0].transpose(0, 1)
+            out[sl] = _prefill_attention(q[sl], k[sl], v[sl], p, k_cache, v_cache, kv_scales,
+                                         dtype, scale)
         return out
 
 

@@ -15,6 +15,7 @@ device value on the host, so a decode-only step can be captured in a CUDA graph
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -85,13 +86,13 @@ class TritonAttentionBackend:
         self.device = device
 
     def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
+        """Block tables, lengths and row offsets as host tensors, copied to the device in one
+        go; see :meth:`AttentionBackend.build_metadata`."""
         nd, bs, dev = inputs.num_decodes, inputs.block_size, self.device
         decode_tables = block_table_tensor(inputs.block_tables[:nd], inputs.seq_lens[:nd], bs)
         prefill_tables = block_table_tensor(inputs.block_tables[nd:], inputs.seq_lens[nd:], bs)
         prefill_q = inputs.query_lens[nd:]
-        cu = [nd]
-        for q_len in prefill_q:
-            cu.append(cu[-1] + q_len)
+        cu = list(itertools.accumulate(prefill_q, initial=nd))
         host = dict(
             decode_block_tables=decode_tables,
             decode_seq_lens=torch.tensor(inputs.seq_lens[:nd], dtype=torch.int32),
@@ -116,6 +117,8 @@ class TritonAttentionBackend:
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`: the KV store kernel, then the paged decode
+        kernel over the leading decodes and the varlen prefill kernel over the rest."""
         k_scales, v_scales = kv_scales if kv_scales is not None else (None, None)
         store_kv(k, k_cache, metadata.slot_mapping, k_scales, metadata.segments)
         store_kv(v, v_cache, metadata.slot_mapping, v_scales, metadata.segments)

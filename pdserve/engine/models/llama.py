@@ -104,6 +104,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: KVCache,
                 attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` in and out, each ``[num_tokens, hidden_size]`` (``residual``
+        None for the first layer); the residual add is fused into the next norm."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)

@@ -12,16 +12,24 @@ from pdserve.engine.models.llama import (
 
 
 class Qwen3Attention(LlamaAttention):
+    """Llama attention with RMSNorm over each query and key head, before RoPE."""
+
     use_qk_norm = True
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
+    """The Llama block around :class:`Qwen3Attention`."""
+
     attention_cls = Qwen3Attention
 
 
 class Qwen3Model(LlamaModel):
+    """Embedding, Qwen3 decoder layers, final norm."""
+
     layer_cls = Qwen3DecoderLayer
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    """``Qwen3ForCausalLM`` checkpoints (dense Qwen3)."""
+
     model_cls = Qwen3Model
