@@ -117,6 +117,31 @@ class ModelProposer:
         (``allow_drafts`` False: ingest only); ``step_hidden``: the step's
         :class:`~pdserve.engine.model_runner.StepHidden` (EAGLE reads it)."""
         self.step_hidden = step_hidden
+        plans = self._plan(sched, live_requests, allow_drafts)
+        if not plans:
+            return
+        # decodes (one query token) first: the attention backends' batch invariant
+        plans.sort(key=lambda p: p.ingest_end - p.ingest_start != 1)
+        out = self._run_ingest(plans)  # [len(plans), H]: each plan's last row
+        drafting = [i for i, p in enumerate(plans) if p.num_drafts > 0]
+        if not drafting:
+            for p in plans:
+                p.request.num_draft_computed = p.ingest_end
+            return
+        drafts = [plans[i] for i in drafting]
+        hidden = out[torch.tensor(drafting, dtype=torch.int64, device=self.runner.device)]
+        all_tokens, all_probs = self._draft_chains(drafts, hidden)
+        for p in plans:
+            p.request.num_draft_computed = p.ingest_end
+        for plan, tokens, probs in zip(drafts, all_tokens, all_probs):
+            plan.request.spec_token_ids = tokens
+            is_random = len(probs) == len(tokens)
+            plan.request.spec_draft_probs = torch.stack(probs) if is_random else None
+            self._after_propose(plan, tokens)
+
+    def _plan(self, sched, live_requests: list[Request], allow_drafts: bool) -> list[_Draft]:
+        """What each live request ingests now and how many drafts it gets (slots reserved);
+        a request without drafts ingests only the positions that have slots."""
         index = {s.request.request_id: i for i, s in enumerate(sched.scheduled)}
         plans: list[_Draft] = []
         for req in live_requests:
@@ -135,29 +160,34 @@ class ModelProposer:
                 if plan.hidden_rows is not None:
                     plan.hidden_rows = plan.hidden_rows[:keep]
             plans.append(plan)
-        if not plans:
-            return
-        # decodes (one query token) first: the attention backends' batch invariant
-        plans.sort(key=lambda p: p.ingest_end - p.ingest_start != 1)
-        out = self._run_ingest(plans)  # [len(plans), H]: each plan's last row
-        drafting = [i for i, p in enumerate(plans) if p.num_drafts > 0]
-        if not drafting:
-            for p in plans:
-                p.request.num_draft_computed = p.ingest_end
-            return
-        reqs = [plans[i].request for i in drafting]
+        return plans
+
+    def _draft_chains(self, drafts: list[_Draft], hidden: torch.Tensor,
+                      ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        """Chain ``num_drafts`` tokens for each plan, from its ingested last row.
+
+        Args:
+            drafts: the plans that get drafts.
+            hidden: ``[len(drafts), H]`` the drafter's state at each plan's last row.
+
+        Returns:
+            Per plan its draft tokens, and for a sampling request each token's ``q``
+            (``[V]`` fp32; empty for a greedy one). A chain stops early when its
+            confidence (the product of its tokens' draft probabilities) drops below
+            ``draft_confidence``.
+        """
+        reqs = [d.request for d in drafts]
         smeta = SamplingMetadata.build(
             params=[r.sampling_params for r in reqs], prompt_token_ids=[[] for _ in reqs],
             output_token_ids=[[] for _ in reqs], generators=[r.generator for r in reqs],
             eos_token_id=None, vocab_size=self.runner.arch.vocab_size,
             device=self.runner.device)
-        hidden = out[torch.tensor(drafting, dtype=torch.int64, device=self.runner.device)]
         tokens, probs, chain_conf = self._sample(hidden, smeta)
         all_tokens = [[t] for t in tokens]
         all_probs = [[q] if q is not None else [] for q in probs]
-        active = list(range(len(drafting)))  # indexes into drafting; rows of `hidden`
-        for step in range(1, max(plans[i].num_drafts for i in drafting)):
-            still = [j for j in active if plans[drafting[j]].num_drafts > step
+        active = list(range(len(drafts)))  # indexes into drafts; rows of `hidden`
+        for step in range(1, max(d.num_drafts for d in drafts)):
+            still = [j for j in active if drafts[j].num_drafts > step
                      and (chain_conf is None or chain_conf[j] >= self.draft_confidence)]
             if not still:
                 break
@@ -165,7 +195,7 @@ class ModelProposer:
             sel = torch.tensor([row_of[j] for j in still], dtype=torch.int64,
                                device=self.runner.device)
             active = still
-            hidden = self._run_chain([plans[drafting[j]] for j in active],
+            hidden = self._run_chain([drafts[j] for j in active],
                                      [all_tokens[j][-1] for j in active], step,
                                      self._chain_hidden(hidden[sel]))
             new_tokens, new_probs, conf = self._sample(hidden, _select_rows(smeta, active))
@@ -175,14 +205,7 @@ class ModelProposer:
                     chain_conf[j] *= conf[row]
                 if new_probs[row] is not None:
                     all_probs[j].append(new_probs[row])
-        for p in plans:
-            p.request.num_draft_computed = p.ingest_end
-        for j, i in enumerate(drafting):
-            plan = plans[i]
-            plan.request.spec_token_ids = all_tokens[j]
-            is_random = len(all_probs[j]) == len(all_tokens[j])
-            plan.request.spec_draft_probs = torch.stack(all_probs[j]) if is_random else None
-            self._after_propose(plan, all_tokens[j])
+        return all_tokens, all_probs
 
     def _reserve(self, req: Request, num_drafts: int) -> int:
         """Reserve slots for ``num_drafts`` drafts (fewer if blocks are short)."""
@@ -363,6 +386,8 @@ class DraftModelProposer(ModelProposer):
 
     def propose(self, sched, live_requests: list[Request], step_hidden=None,
                 allow_drafts: bool = True) -> None:
+        """Forget the written drafts of requests that are no longer live (finished or
+        aborted), then propose as :meth:`ModelProposer.propose` does."""
         live = {r.request_id for r in live_requests}
         for request_id in [r for r in self._written if r not in live]:
             del self._written[request_id]  # finished or aborted

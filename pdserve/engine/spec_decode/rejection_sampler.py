@@ -62,6 +62,38 @@ class RejectionSamplerOutput:
         return [row[: n + 1] for row, n in zip(rows, num_accepted)], num_accepted
 
 
+@dataclass
+class _StepRows:
+    """Where each request's rows and drafts are in one step's concatenated target rows
+    (``N = sum_i (k_i + 1)`` rows, ``D = sum_i k_i`` drafts). Built from host lists: no
+    device -> host sync."""
+
+    cu_num_rows: torch.Tensor  # [B] int64: first target row of request i
+    request_of_row: torch.Tensor  # [N] int64: the request owning target row r
+    draft_rows: torch.Tensor  # [D] int64: target row of each draft token (not the bonus row)
+    draft_ids: torch.Tensor  # [D] int64: the draft tokens
+
+    @classmethod
+    def build(cls, num_draft: list[int], draft_token_ids: list[list[int]],
+              device: torch.device) -> _StepRows:
+        """The index tensors of requests with ``num_draft[i]`` drafts each."""
+        starts = _cumsum_start(num_draft)
+        return cls(
+            cu_num_rows=torch.tensor(starts, dtype=torch.int64, device=device),
+            request_of_row=torch.tensor(
+                [i for i, k in enumerate(num_draft) for _ in range(k + 1)],
+                dtype=torch.int64, device=device,
+            ),
+            draft_rows=torch.tensor(
+                [start + j for start, k in zip(starts, num_draft) for j in range(k)],
+                dtype=torch.int64, device=device,
+            ),
+            draft_ids=torch.tensor(
+                [t for ids in draft_token_ids for t in ids], dtype=torch.int64, device=device
+            ),
+        )
+
+
 class RejectionSampler:
     """Verifies chain drafts against one target forward pass; see the module docstring."""
 
@@ -100,62 +132,46 @@ class RejectionSampler:
         """
         num_draft = [len(ids) for ids in draft_token_ids]
         self._check_inputs(target_logits, draft_token_ids, draft_probs, metadata, num_draft)
-        device = target_logits.device
-        num_requests = len(num_draft)
-        # Index tensors are built from host lists: no device -> host sync.
-        # cu_num_rows[i]: first target row of request i.  [B] int64
-        cu_num_rows = torch.tensor(_cumsum_start(num_draft), dtype=torch.int64, device=device)
-        # request_of_row[r]: the request owning target row r.  [N] int64
-        request_of_row = torch.tensor(
-            [i for i, k in enumerate(num_draft) for _ in range(k + 1)],
-            dtype=torch.int64, device=device,
-        )
-        # Target row of each draft token (its own position, not the bonus row).  [D] int64
-        draft_rows = torch.tensor(
-            [start + j for start, k in zip(_cumsum_start(num_draft), num_draft) for j in range(k)],
-            dtype=torch.int64,
-            device=device,
-        )
-        draft_ids = torch.tensor(
-            [t for ids in draft_token_ids for t in ids], dtype=torch.int64, device=device
-        )  # [D] int64
+        rows = _StepRows.build(num_draft, draft_token_ids, target_logits.device)
+        row_tokens, is_accepted = self._row_tokens(
+            target_logits, rows, draft_probs, num_draft, metadata, default_generator)
+        return _accepted_prefixes(rows, num_draft, row_tokens, is_accepted)
 
+    def _row_tokens(
+        self,
+        target_logits: torch.Tensor,
+        rows: _StepRows,
+        draft_probs: list[torch.Tensor | None],
+        num_draft: list[int],
+        metadata: SamplingMetadata,
+        default_generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token if emitted there, and whether each draft is accepted.
+
+        Greedy requests compare with (and emit) the raw argmax; random ones go through
+        :meth:`_verify_random`; a mixed batch takes each request's own rule.
+
+        Returns:
+            ``row_tokens`` ``[N]`` int64 (draft rows: the correction token, used if that
+            draft is the first rejected; bonus rows: the bonus token) and ``is_accepted``
+            ``[D]`` bool.
+        """
         target_argmax = target_logits.argmax(dim=-1)  # [N] int64
         if metadata.all_greedy:
-            row_tokens = target_argmax
-            is_accepted = draft_ids == target_argmax[draft_rows]  # [D] bool
-        else:
-            row_tokens, is_accepted = self._verify_random(
-                target_logits, draft_rows, draft_ids, draft_probs, num_draft,
-                request_of_row, metadata, default_generator,
-            )
-            if not metadata.all_random:
-                is_greedy_row = (metadata.temperature <= GREEDY_TEMPERATURE)[
-                    request_of_row
-                ]  # [N] bool
-                row_tokens = torch.where(is_greedy_row, target_argmax, row_tokens)
-                greedy_accepted = draft_ids == target_argmax[draft_rows]
-                is_accepted = torch.where(is_greedy_row[draft_rows], greedy_accepted, is_accepted)
-
-        max_num_draft = max(num_draft, default=0)
-        request_of_draft = request_of_row[draft_rows]  # [D] int64
-        position_of_draft = draft_rows - cu_num_rows[request_of_draft]  # [D] int64
-        # [B, K] padded views; padding is "rejected" so it never extends the accepted prefix.
-        accepted_padded = torch.zeros(num_requests, max_num_draft, dtype=torch.bool, device=device)
-        accepted_padded[request_of_draft, position_of_draft] = is_accepted
-        num_accepted = accepted_padded.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B] int64
-
-        output = torch.full(
-            (num_requests, max_num_draft + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
-            device=device,
+            return target_argmax, rows.draft_ids == target_argmax[rows.draft_rows]  # [D] bool
+        row_tokens, is_accepted = self._verify_random(
+            target_logits, rows.draft_rows, rows.draft_ids, draft_probs, num_draft,
+            rows.request_of_row, metadata, default_generator,
         )
-        output[request_of_draft, position_of_draft] = draft_ids
-        positions = torch.arange(max_num_draft + 1, device=device).unsqueeze(0)  # [1, K + 1]
-        output.masked_fill_(positions >= num_accepted.unsqueeze(1), PLACEHOLDER_TOKEN_ID)
-        # The token after the accepted prefix: the correction (or bonus) token of that row.
-        last_tokens = row_tokens[cu_num_rows + num_accepted]  # [B] int64
-        output.scatter_(1, num_accepted.unsqueeze(1), last_tokens.unsqueeze(1))
-        return RejectionSamplerOutput(output_token_ids=output, num_accepted_tokens=num_accepted)
+        if not metadata.all_random:
+            is_greedy_row = (metadata.temperature <= GREEDY_TEMPERATURE)[
+                rows.request_of_row
+            ]  # [N] bool
+            row_tokens = torch.where(is_greedy_row, target_argmax, row_tokens)
+            greedy_accepted = rows.draft_ids == target_argmax[rows.draft_rows]
+            is_accepted = torch.where(is_greedy_row[rows.draft_rows], greedy_accepted,
+                                      is_accepted)
+        return row_tokens, is_accepted
 
     @staticmethod
     def _check_inputs(
@@ -253,6 +269,39 @@ class RejectionSampler:
         # Exponential race: argmax(w / E), E ~ Exp(1), picks i with probability w_i / sum(w).
         row_tokens = sampling_probs.div_(exponential).argmax(dim=-1)  # [N] int64
         return row_tokens, is_accepted
+
+
+def _accepted_prefixes(rows: _StepRows, num_draft: list[int], row_tokens: torch.Tensor,
+                       is_accepted: torch.Tensor) -> RejectionSamplerOutput:
+    """Each request's accepted prefix of drafts, then the token of the row after it.
+
+    Args:
+        rows: the step's index tensors.
+        num_draft: ``k_i`` per request.
+        row_tokens: ``[N]`` int64, the token emitted when a request stops at that row.
+        is_accepted: ``[D]`` bool, per draft token.
+    """
+    num_requests = len(num_draft)
+    max_num_draft = max(num_draft, default=0)
+    device = rows.cu_num_rows.device
+    request_of_draft = rows.request_of_row[rows.draft_rows]  # [D] int64
+    position_of_draft = rows.draft_rows - rows.cu_num_rows[request_of_draft]  # [D] int64
+    # [B, K] padded views; padding is "rejected" so it never extends the accepted prefix.
+    accepted_padded = torch.zeros(num_requests, max_num_draft, dtype=torch.bool, device=device)
+    accepted_padded[request_of_draft, position_of_draft] = is_accepted
+    num_accepted = accepted_padded.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B] int64
+
+    output = torch.full(
+        (num_requests, max_num_draft + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+        device=device,
+    )
+    output[request_of_draft, position_of_draft] = rows.draft_ids
+    positions = torch.arange(max_num_draft + 1, device=device).unsqueeze(0)  # [1, K + 1]
+    output.masked_fill_(positions >= num_accepted.unsqueeze(1), PLACEHOLDER_TOKEN_ID)
+    # The token after the accepted prefix: the correction (or bonus) token of that row.
+    last_tokens = row_tokens[rows.cu_num_rows + num_accepted]  # [B] int64
+    output.scatter_(1, num_accepted.unsqueeze(1), last_tokens.unsqueeze(1))
+    return RejectionSamplerOutput(output_token_ids=output, num_accepted_tokens=num_accepted)
 
 
 def _cumsum_start(counts: list[int]) -> list[int]:
