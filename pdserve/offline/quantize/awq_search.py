@@ -45,6 +45,8 @@ class InputStats:
     samples: list[torch.Tensor] = field(default_factory=list)
 
     def mean_abs(self) -> torch.Tensor:
+        """``[in]`` fp32: the mean ``|x|`` of each input channel (AWQ's activation
+        magnitude; zeros before any token was recorded)."""
         return self.abs_sum / max(1, self.num_tokens)
 
 
