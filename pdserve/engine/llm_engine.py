@@ -243,11 +243,6 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return True
 
-    @property
-    def num_waiting_for_kv(self) -> int:
-        """Requests parked with reserved blocks until their remote prefill's KV arrives."""
-        return sum(r.status is RequestStatus.WAITING_FOR_KV for r in self.requests.values())
-
     def pop_exported_kv(self, request_id: str) -> torch.Tensor | None:
         """The KV copied out of a finished ``export_kv`` request (prefill worker), once."""
         return self.exported_kv.pop(request_id, None)

@@ -113,11 +113,6 @@ class Request:
         """A copy of the tokens after the prompt."""
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def is_finished(self) -> bool:
-        """Whether the request has stopped (for any reason)."""
-        return self.status.is_finished
-
     def append_output_token(self, token_id: int) -> None:
         """Append a generated token (its K/V is computed by a later step)."""
         self.token_ids.append(token_id)

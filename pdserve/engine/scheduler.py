@@ -58,11 +58,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        """Tokens the step computes (its share of ``max_num_batched_tokens``)."""
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         """True when nothing is scheduled (no forward runs)."""
         return not self.scheduled
