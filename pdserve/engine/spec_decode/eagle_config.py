@@ -13,6 +13,7 @@ between the layouts, so callers ask the config instead of comparing layout names
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Iterable
@@ -56,7 +57,7 @@ def _detect_layout(hf: dict) -> str:
 
 
 @dataclass(frozen=True)
-class EagleConfig:
+class EagleConfig(ABC):
     """Architecture of an EAGLE head, parsed from its ``config.json``; validated.
 
     An instance is always of a layout's subclass (:meth:`from_dict` picks it).
@@ -124,27 +125,27 @@ class EagleConfig:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
         self._check_layout_fields()
 
+    @abstractmethod
     def _check_layout_fields(self) -> None:
         """Validate the fields whose rules depend on the layout (draft vocab, aux layers)."""
-        raise NotImplementedError
 
     @classmethod
+    @abstractmethod
     def _parse_draft_vocab_size(cls, hf: dict) -> int | None:
         """The draft vocabulary size config.json gives this layout (None: the whole one)."""
-        raise NotImplementedError
 
     @classmethod
+    @abstractmethod
     def resolve_aux_layer_ids(cls, aux_layer_ids: tuple[int, ...],
                               num_target_layers: int) -> tuple[int, ...]:
         """The target layers whose inputs a head of this layout reads, given the ones a
         config or a user named (empty: none named): eagle3 ``aux_layer_ids`` or
         :func:`default_aux_layer_ids`; eagle1 none (it reads the final hidden state)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def fc_input_size(self) -> int:
         """Input width of ``fc``: ``2H`` (eagle1: embedding ; feature), ``3 * H_target`` (eagle3)."""
-        raise NotImplementedError
 
     def fit_checkpoint(self, tensor_names: Iterable[str]) -> "EagleConfig":
         """This config adjusted to what the checkpoint holds (eagle1: ``fc.bias`` or not)."""
@@ -158,9 +159,9 @@ class EagleConfig:
         return {}
 
     @classmethod
+    @abstractmethod
     def describe_checkpoint(cls, aux_layer_ids: tuple[int, ...]) -> str:
         """Markdown for a trained head's README: the tensor names this layout writes."""
-        raise NotImplementedError
 
     @classmethod
     def from_dict(cls, hf: dict) -> "EagleConfig":
@@ -272,7 +273,7 @@ class Eagle1Config(EagleConfig):
     @classmethod
     def resolve_aux_layer_ids(cls, aux_layer_ids: tuple[int, ...],
                               num_target_layers: int) -> tuple[int, ...]:
-        """None: an eagle1 head reads the target's final hidden state."""
+        """Empty: an eagle1 head reads the target's final hidden state."""
         return ()
 
     @property
