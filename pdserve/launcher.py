@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import ctypes
+import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from pdserve.cpu_affinity import (
     format_cpu_list,
     plan_worker_cpus,
 )
+from pdserve.supervisor import RestartPolicy, SupervisedWorker, WorkerSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -99,36 +101,6 @@ def spawn_worker(kind: str, model: str | None, router_address: str,
            *([model] if model else []), "--router", router_address, "--worker-id", worker_id,
            *engine_argv, *auth_argv]
     return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)
-
-
-def _worker_id(proc: subprocess.Popen) -> str:
-    args = list(proc.args)
-    return args[args.index("--worker-id") + 1] if "--worker-id" in args else str(proc.pid)
-
-
-def _exit_description(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-async def _watch_workers(workers: list[subprocess.Popen], period_s: float = 1.0) -> None:
-    """Reap workers that exit while serving and say so once each (the router drops them
-    after their missed heartbeats; ``serve`` goes on with the others and does not restart
-    them)."""
-    reported: set[int] = set()
-    while True:
-        await asyncio.sleep(period_s)
-        for w in workers:
-            if w.pid not in reported and w.poll() is not None:
-                reported.add(w.pid)
-                alive = sum(x.poll() is None for x in workers)
-                print(f"pdserve: worker {_worker_id(w)} (pid {w.pid}) "
-                      f"{_exit_description(w.returncode)}; serving on with {alive} of "
-                      f"{len(workers)} workers", file=sys.stderr, flush=True)
 
 
 def stop_processes(procs: list[subprocess.Popen]) -> None:
@@ -222,8 +194,38 @@ def draining_server(config, state, grace_s: float):
     return DrainingServer(config)
 
 
-async def _serve_http(state, host: str, port: int, workers: list[subprocess.Popen],
-                      wait_for_worker: bool, grace_s: float = 30.0) -> int:
+async def _wait_for_workers(state, server, task: asyncio.Task,
+                            workers: list[subprocess.Popen]) -> bool:
+    """Wait until every worker registered; False (the server stopped) when one exits first,
+    the server stops or ``WORKER_READY_TIMEOUT_S`` passes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WORKER_READY_TIMEOUT_S
+    # Check registration before exits: a worker that registered and then died is the
+    # supervisor's (serving goes on), not a start-up failure.
+    while len(state.router.registry.workers) < len(workers):
+        if any(w.poll() is not None for w in workers):
+            print("pdserve: a worker exited during start-up; see its log above",
+                  file=sys.stderr)
+            break
+        if task.done() or loop.time() > deadline:
+            if not task.done():
+                print(f"pdserve: {len(workers) - len(state.router.registry.workers)} of "
+                      f"{len(workers)} workers did not register within "
+                      f"{WORKER_READY_TIMEOUT_S:.0f} s; see their logs above",
+                      file=sys.stderr)
+            break
+        await asyncio.sleep(0.2)
+    else:
+        return True
+    server.should_exit = True
+    await task
+    return False
+
+
+async def _serve_http(state, host: str, port: int, supervisor: WorkerSupervisor | None,
+                      grace_s: float = 30.0) -> int:
+    """Serve until stopped; with a ``supervisor`` (``serve``), first wait for its workers to
+    register, then let it restart those that exit while serving."""
     import uvicorn
 
     from pdserve.server.app import build_app
@@ -232,29 +234,11 @@ async def _serve_http(state, host: str, port: int, workers: list[subprocess.Pope
     server = draining_server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                             timeout_graceful_shutdown=5), state, grace_s)
     task = asyncio.create_task(server.serve())
-    if wait_for_worker:
-        deadline = asyncio.get_running_loop().time() + WORKER_READY_TIMEOUT_S
-        # Check registration before exits: a worker that registered and then died is the
-        # watcher's to report (serving goes on), not a start-up failure.
-        while len(state.router.registry.workers) < len(workers):
-            if any(w.poll() is not None for w in workers):
-                print("pdserve: a worker exited during start-up; see its log above",
-                      file=sys.stderr)
-                server.should_exit = True
-                await task
-                return 1
-            if task.done() or asyncio.get_running_loop().time() > deadline:
-                if not task.done():
-                    print(f"pdserve: {len(workers) - len(state.router.registry.workers)} of "
-                          f"{len(workers)} workers did not register within "
-                          f"{WORKER_READY_TIMEOUT_S:.0f} s; see their logs above",
-                          file=sys.stderr)
-                server.should_exit = True
-                await task
-                return 1
-            await asyncio.sleep(0.2)
+    if supervisor is not None and not await _wait_for_workers(state, server, task,
+                                                              supervisor.processes):
+        return 1
     print(f"pdserve: serving {state.model_name} at http://{host}:{port}/v1", flush=True)
-    watcher = asyncio.create_task(_watch_workers(workers)) if workers else None
+    watcher = asyncio.create_task(supervisor.run()) if supervisor is not None else None
     try:
         await task
     finally:
@@ -279,34 +263,49 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def run_serve(args: argparse.Namespace, engine_argv: list[str]) -> int:
-    """``pdserve serve``: API server + router here; prefill and decode workers as child
-    processes (``--num-prefill``/``--num-decode``; ``--colocated``: one decode worker)."""
-    check_port_free(args.host, args.port)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    router_address = args.router_address or f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
-    keys = cluster_keys_from_args(args, ephemeral=True)
-    state = build_server_state(args, router_address, keys)
+def _start_workers(args: argparse.Namespace, engine_argv: list[str], router_address: str,
+                   keys) -> list[SupervisedWorker]:
+    """Start ``serve``'s decode then prefill workers, each in a slot that can start it again
+    (same command line, a new worker id)."""
     num_prefill = 0 if args.colocated else args.num_prefill
     num_decode = 1 if args.colocated else args.num_decode
     kv_argv = ["--kv-transport", args.kv_transport,
                "--kv-transfer-timeout", str(args.kv_transfer_timeout)]
     prefill_plans, decode_plans = plan_worker_cpus(
         available_cpus(), num_prefill, num_decode, args.prefill_cpus, args.decode_cpus)
-    workers = [spawn_worker("decode-worker", args.model, state.router.address,
-                            engine_argv + kv_argv + plan.argv(), f"decode-{os.getpid()}-{i}",
-                            keys)
-               for i, plan in enumerate(decode_plans)]
-    workers += [spawn_worker("prefill-worker", args.model, state.router.address,
-                             engine_argv + kv_argv + plan.argv() + [
-                                 "--kv-transfer-dtype", args.kv_transfer_dtype],
-                             f"prefill-{os.getpid()}-{i}", keys)
-                for i, plan in enumerate(prefill_plans)]
+    slots = []
+    for role, plans, role_argv in (
+            ("decode", decode_plans, []),
+            ("prefill", prefill_plans, ["--kv-transfer-dtype", args.kv_transfer_dtype])):
+        for i, plan in enumerate(plans):
+            start = functools.partial(spawn_worker, f"{role}-worker", args.model, router_address,
+                                      engine_argv + kv_argv + plan.argv() + role_argv,
+                                      cluster_keys=keys)
+            base_id = f"{role}-{os.getpid()}-{i}"
+            slots.append(SupervisedWorker(role, base_id, start, start(base_id)))
+    return slots
+
+
+def run_serve(args: argparse.Namespace, engine_argv: list[str],
+              restart_policy: RestartPolicy | None = None) -> int:
+    """``pdserve serve``: API server + router here; prefill and decode workers as child
+    processes (``--num-prefill``/``--num-decode``; ``--colocated``: one decode worker),
+    restarted under ``restart_policy`` (default: :class:`RestartPolicy`'s) when they exit."""
+    check_port_free(args.host, args.port)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    router_address = args.router_address or f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    keys = cluster_keys_from_args(args, ephemeral=True)
+    state = build_server_state(args, router_address, keys)
+    slots = _start_workers(args, engine_argv, state.router.address, keys)
+    state.metrics.expose_worker_restarts({w.role for w in slots})
+    supervisor = WorkerSupervisor(slots, restart_policy or RestartPolicy(),
+                                  is_stopping=lambda: state.draining,
+                                  on_restart=state.metrics.observe_worker_restart)
     try:
-        return asyncio.run(_serve_http(state, args.host, args.port, workers, True,
+        return asyncio.run(_serve_http(state, args.host, args.port, supervisor,
                                        args.shutdown_grace_period))
     finally:
-        stop_processes(workers)
+        stop_processes(supervisor.processes)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -316,7 +315,7 @@ def run_server(args: argparse.Namespace) -> int:
     keys = cluster_keys_from_args(args)
     state = build_server_state(args, args.router_address or "tcp://0.0.0.0:5557", keys)
     print(f"pdserve: router listening at {state.router.address}", flush=True)
-    return asyncio.run(_serve_http(state, args.host, args.port, [], False,
+    return asyncio.run(_serve_http(state, args.host, args.port, None,
                                    args.shutdown_grace_period))
 
 

@@ -14,12 +14,40 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.launcher import run_serve
 
     engine_config_from_args(args, args.model)  # validate here, before any process starts
+    restart_policy_from_args(args)
     if args.num_prefill < 0 or args.num_decode < 1:
         raise ValueError("--num-prefill must be >= 0 and --num-decode >= 1")
     argv = engine_args_to_argv(args)
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
-    return run_serve(args, argv)
+    return run_serve(args, argv, restart_policy_from_args(args))
+
+
+#: RestartPolicy field -> the ``serve`` flag that sets it
+_RESTART_FLAGS = {"max_restarts": "--max-worker-restarts",
+                  "window_s": "--worker-restart-window",
+                  "initial_backoff_s": "--worker-restart-backoff",
+                  "max_backoff_s": "--max-worker-restart-backoff"}
+
+
+def restart_policy_from_args(args: argparse.Namespace):
+    """``serve``'s supervision flags as a :class:`~pdserve.supervisor.RestartPolicy`.
+
+    Raises:
+        ValueError: naming the flag that is out of range.
+    """
+    from pdserve.supervisor import RestartPolicy
+
+    try:
+        return RestartPolicy(max_restarts=args.max_worker_restarts,
+                             window_s=args.worker_restart_window,
+                             initial_backoff_s=args.worker_restart_backoff,
+                             max_backoff_s=args.max_worker_restart_backoff)
+    except ValueError as exc:
+        message = str(exc)
+        for name, flag in _RESTART_FLAGS.items():
+            message = message.replace(f"{name} ", f"{flag} ").replace(f"{name})", f"{flag})")
+        raise ValueError(message) from None
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
@@ -66,6 +94,21 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="prompts with at least this many tokens go to a prefill worker")
     g.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="when a KV transfer fails: recompute on the decode worker, or fail")
+
+
+def _add_supervision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("supervision (restarting workers that exit while serving)")
+    g.add_argument("--max-worker-restarts", type=int, default=5, metavar="N",
+                   help="restarts of one worker allowed within --worker-restart-window; past "
+                        "them it stays down (0: never restart; default: 5)")
+    g.add_argument("--worker-restart-window", type=float, default=600.0, metavar="SECONDS",
+                   help="the sliding window --max-worker-restarts counts over (default: 600)")
+    g.add_argument("--worker-restart-backoff", type=float, default=1.0, metavar="SECONDS",
+                   help="delay before restarting a worker; it doubles with each exit within "
+                        "60 s of the last restart, and starts over once a worker stayed up "
+                        "60 s (default: 1)")
+    g.add_argument("--max-worker-restart-backoff", type=float, default=30.0,
+                   metavar="SECONDS", help="the cap on that delay (default: 30)")
 
 
 def _add_auth_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
@@ -151,6 +194,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="cores every prefill worker runs on, one torch thread each (default: "
                         "the available cores split among the prefill workers, with one "
                         "thread fewer than cores when decode workers share them)")
+    _add_supervision_args(p)
     add_routing_args(p)
     _add_kv_args(p, "serve")
     _add_auth_args(p, serve=True)

@@ -157,8 +157,12 @@ class ServerMetrics:
 
     def _add_worker_series(self) -> None:
         """Per-worker gauges (labelled also by ``worker_id`` and ``role``), rebuilt from the
-        alive workers by :meth:`set_worker_load` on every scrape."""
+        alive workers by :meth:`set_worker_load` on every scrape; and the restarts of
+        ``pdserve serve``'s workers by role (:meth:`observe_worker_restart`)."""
         r, wl = self.registry, _MODEL_LABEL + ("worker_id", "role")
+        self.worker_restarts = Counter(
+            "pdserve:worker_restarts", "Workers that exited and were started again by "
+            "pdserve serve, by role.", _MODEL_LABEL + ("role",), registry=r)
         self.worker_up = Gauge("pdserve:worker_up", "1 while a worker is alive.", wl, registry=r)
         self.worker_num_requests_running = Gauge(
             "pdserve:worker_num_requests_running", "Requests running on each worker.", wl,
@@ -183,6 +187,15 @@ class ServerMetrics:
                 self.worker_num_requests_running.labels(*key).set(w.load.num_running)
                 self.worker_kv_cache_usage_perc.labels(*key).set(w.load.kv_cache_usage)
                 self.worker_requests_served.labels(*key).set(w.load.num_requests_served)
+
+    def expose_worker_restarts(self, roles) -> None:
+        """Export the restart counter at 0 for ``roles`` (those a supervisor restarts)."""
+        for role in sorted(roles):
+            self.worker_restarts.labels(self.model_name, role)
+
+    def observe_worker_restart(self, role: str) -> None:
+        """Count one restart of a worker of ``role`` ("decode" / "prefill")."""
+        self.worker_restarts.labels(self.model_name, role).inc()
 
     def add_spec_decode_counts(self, workers) -> None:
         """Add what each worker's cumulative spec-decode counters grew by since last time.
