@@ -5,11 +5,13 @@ dashboard's structure."""
 
 from __future__ import annotations
 
+import http.server
 import importlib.resources
 import json
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -155,6 +157,75 @@ def test_k8s_commands_are_real_pdserve_invocations_with_probes_and_gpus():
     service = next(d for d in docs if d["kind"] == "Service")
     assert service["metadata"]["name"] == "pdserve-router"
     assert {p["port"] for p in service["spec"]["ports"]} == {8000, 5557}
+
+
+def k8s_containers() -> dict[str, dict]:
+    """Deployment name -> its (only) container."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+            for d in k8s_documents() if d["kind"] == "Deployment"}
+
+
+def test_k8s_router_is_ready_on_health_and_alive_on_live():
+    """Readiness follows the workers (/health: a decode worker alive, not draining);
+    liveness only the router's own loops (/live), so a lost worker never restarts it."""
+    router = k8s_containers()["pdserve-router"]
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert router["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+
+
+def test_k8s_clients_reach_only_ready_api_servers():
+    """pdserve-router publishes not-ready pods (workers must register before the router is
+    ready); clients' Service pdserve-api does not, so readiness gates their requests."""
+    services = {d["metadata"]["name"]: d for d in k8s_documents() if d["kind"] == "Service"}
+    api = services["pdserve-api"]["spec"]
+    assert not api.get("publishNotReadyAddresses", False)
+    assert api["selector"] == services["pdserve-router"]["spec"]["selector"]
+    assert [p["port"] for p in api["ports"]] == [8000]
+
+
+@pytest.mark.parametrize("name", ["pdserve-prefill", "pdserve-decode"])
+def test_k8s_workers_start_on_metrics_ready_when_registered_alive_on_metrics(name):
+    container = k8s_containers()[name]
+    assert container["startupProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert "pdserve:worker_registered" in " ".join(container["readinessProbe"]["exec"]["command"])
+    assert container["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert container["livenessProbe"]["timeoutSeconds"] >= 1
+
+
+def serve_text(text: str):
+    """A local HTTP server answering every GET with ``text``; returns (server, port)."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+@pytest.mark.parametrize("registered, exit_code", [("1.0", 0), ("0.0", 1)])
+def test_worker_readiness_probe_passes_only_once_the_worker_registered(registered, exit_code):
+    """The probe's command, run against a /metrics in the worker's exposition format."""
+    text = ('# TYPE pdserve:worker_registered gauge\n'
+            'pdserve:worker_registered{model_name="m",worker_id="pdserve-decode-abc12",'
+            f'role="decode"}} {registered}\n'
+            'pdserve:num_requests_running{model_name="m",worker_id="w",role="decode"} 1.0\n')
+    server, port = serve_text(text)
+    try:
+        command = k8s_containers()["pdserve-decode"]["readinessProbe"]["exec"]["command"]
+        command = [c.replace("127.0.0.1:9100", f"127.0.0.1:{port}") for c in command]
+        assert subprocess.run(command, timeout=10).returncode == exit_code
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def dashboard() -> dict:
