@@ -254,6 +254,7 @@ def test_grafana_dashboard_covers_the_required_panels():
                    "e2e_request_latency_seconds_bucket", "generation_tokens_total",
                    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                    "route_decisions_total", "kv_transfer_bytes_sent_total",
-                   "kv_transfer_seconds_bucket", "spec_decode_num_accepted_tokens_total"):
+                   "kv_transfer_seconds_bucket", "spec_decode_num_accepted_tokens_total",
+                   "worker_restarts_total"):
         assert f"pdserve:{metric}" in text, metric
     assert "histogram_quantile(0.99" in text and "histogram_quantile(0.5" in text
