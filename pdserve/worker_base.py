@@ -152,6 +152,8 @@ class EngineWorker:
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             num_spec_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
             draining=self.draining,
+            num_prefill_tokens_queued=self.engine.prefill_stats.num_prefill_tokens_queued,
+            prefill_tokens_per_s=self.engine.prefill_stats.prefill_tokens_per_s,
         )
 
     def _heartbeat_loop(self) -> None:

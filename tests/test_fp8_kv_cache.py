@@ -213,6 +213,7 @@ def test_fp8_cache_blocks_stream_over_the_wire_as_stored(tiny_llama_checkpoint):
         reports = sorted(done.get(timeout=10) for _ in prompts)
         assert [r[0] for r in reports] == ["r0", "r1"], reports
         assert all(r[3] is None for r in reports), reports
+        assert all(0 < r[4] <= r[2] for r in reports), reports  # pushing is part of it
         received = dict(inbox.ready.get(timeout=10) for _ in prompts)
     finally:
         sender.close()

@@ -18,6 +18,7 @@ from pdserve.engine.request import Request, RequestStatus, resolve_max_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.spec_decode import SpecDecodeStats, build_proposer
+from pdserve.engine.step_stats import PrefillStats
 from pdserve.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class LLMEngine:
         self.proposer = build_proposer(config, self.runner, self.block_manager,
                                        self.max_model_len)
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.prefill_stats = PrefillStats()
         self.requests: dict[str, Request] = {}
         #: request id -> [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.exported_kv: dict[str, torch.Tensor] = {}
@@ -267,6 +269,7 @@ class LLMEngine:
         With speculation a request may emit several tokens in one step; it stops at the
         first that meets a stop condition and the rest are dropped.
         """
+        start_s = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -290,6 +293,7 @@ class LLMEngine:
                                   step_hidden=out.hidden,
                                   allow_drafts=not cap or len(self.scheduler.running) < cap)
         self.spec_stats.maybe_log()
+        self.prefill_stats.observe(sched, self.scheduler, time.perf_counter() - start_s)
         return deltas
 
     def _advance_computed(self, sched: SchedulerOutput, num_accepted: dict[str, int]) -> None:

@@ -64,11 +64,13 @@ class KVSenderThread:
         transport_name: a registered transport.
         use_fp8: quantize to FP8 e4m3 with per-(layer, K/V, block, head) scales.
         timeout_s: deadline for one message.
-        on_done: ``(request_id, num_bytes, seconds, error or None)``, called on this thread.
+        on_done: ``(request_id, num_bytes, seconds, error or None, push_s)``, called on
+            this thread: ``seconds`` from the first layer's push to the end, ``push_s``
+            of it spent encoding and pushing (the rest waited for layers to be prefilled).
     """
 
     def __init__(self, transport_name: str, use_fp8: bool, timeout_s: float,
-                 on_done: Callable[[str, int, float, str | None], None],
+                 on_done: Callable[[str, int, float, str | None, float], None],
                  cluster_keys=None) -> None:
         self.transport = create_transport(transport_name, cluster_keys)
         self.cluster_keys = cluster_keys
@@ -77,9 +79,9 @@ class KVSenderThread:
         self.on_done = on_done
         self.jobs: queue.Queue[KVJob | None] = queue.Queue()
         self._senders: dict[str, KVSender] = {}
-        # request id -> (bytes sent so far, monotonic start) while its layers stream; failed
-        # requests whose remaining layers are dropped
-        self._streaming: dict[str, tuple[int, float]] = {}
+        # request id -> (bytes sent so far, monotonic start, seconds pushing) while its
+        # layers stream; failed requests whose remaining layers are dropped
+        self._streaming: dict[str, tuple[int, float, float]] = {}
         self._failed: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
@@ -122,7 +124,8 @@ class KVSenderThread:
                 if job.is_last:
                     self._failed.discard(rid)
                 continue
-            sent_before, start = self._streaming.pop(rid, (0, time.monotonic()))
+            sent_before, start, push_s = self._streaming.pop(rid, (0, time.monotonic(), 0.0))
+            push_start = time.monotonic()
             try:
                 num_bytes = sent_before + self._push(job)
             except Exception as exc:
@@ -132,12 +135,14 @@ class KVSenderThread:
                     sender.close()
                 if not job.is_last:
                     self._failed.add(rid)
-                self.on_done(rid, 0, time.monotonic() - start, str(exc) or "error")
+                self.on_done(rid, 0, time.monotonic() - start, str(exc) or "error", push_s)
                 continue
+            now = time.monotonic()
+            push_s += now - push_start
             if job.is_last:
-                self.on_done(rid, num_bytes, time.monotonic() - start, None)
+                self.on_done(rid, num_bytes, now - start, None, push_s)
             else:
-                self._streaming[rid] = (num_bytes, start)
+                self._streaming[rid] = (num_bytes, start, push_s)
 
     def close(self) -> None:
         """Push the jobs already queued (waiting up to 5 s), then close every sender

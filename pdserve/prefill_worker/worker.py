@@ -105,13 +105,13 @@ class PrefillWorker(EngineWorker):
                                          msg.dest_kv_address))
 
     def _on_sent(self, request_id: str, num_bytes: int, seconds: float,
-                 error: str | None) -> None:
+                 error: str | None, push_s: float) -> None:
         self.num_kv_bytes_sent += num_bytes
         if error is None:
             self.num_kv_transfers_sent += 1
         else:
             self.num_kv_transfers_failed += 1
-        self.send(KVSent(self.worker_id, request_id, num_bytes, seconds, error))
+        self.send(KVSent(self.worker_id, request_id, num_bytes, seconds, error, push_s))
 
     def kv_transfer_totals(self) -> KVTransferTotals:
         """Bytes pushed and transfers sent or failed, as counted by the sender thread."""
