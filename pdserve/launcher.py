@@ -129,7 +129,7 @@ def build_server_state(args: argparse.Namespace, router_address: str, cluster_ke
     name = args.served_model_name or served_model_name(args.model, path)
     tokenizer = load_tokenizer(path)
     metrics = ServerMetrics(name)
-    routing = RoutingConfig(prefill_threshold=args.prefill_threshold,
+    routing = RoutingConfig(prefill_threshold=args.prefill_threshold, policy=args.routing,
                             kv_failure_policy=args.kv_failure_policy,
                             reserve_timeout_s=args.kv_transfer_timeout,
                             first_token_timeout_s=args.first_token_timeout,

@@ -55,7 +55,8 @@ def _prefill_pids(server_pid: int) -> list[int]:
 def test_killed_prefill_worker_is_dropped_and_requests_recompute(colocated):
     router_port = free_port()
     srv = ServerProcess("--router-address", f"tcp://127.0.0.1:{router_port}",
-                        "--kv-transfer-timeout", "5", colocated=False)
+                        "--kv-transfer-timeout", "5", "--max-worker-restarts", "0",
+                        colocated=False)
     extra: list = []
     try:
         wait_workers(srv, "prefill", 1)
@@ -135,7 +136,8 @@ def _decode_pids(server_pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_requests_on_a_killed_decode_worker_are_retried_elsewhere():
-    srv = ServerProcess("--num-prefill", "0", "--num-decode", "2", colocated=False)
+    srv = ServerProcess("--num-prefill", "0", "--num-decode", "2", "--max-worker-restarts",
+                        "0", colocated=False)
     try:
         wait_workers(srv, "decode", 2)
         victim = _decode_pids(srv.proc.pid)[0]

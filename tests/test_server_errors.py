@@ -378,7 +378,8 @@ def test_serve_passes_its_log_level_and_reports_a_dead_worker(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve", "--colocated",
              "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks",
-             "256"], stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+             "256", "--max-worker-restarts", "0"], stderr=err,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert wait_health(f"http://127.0.0.1:{port}", 200, proc, timeout_s=240)
         assert "INFO pdserve.engine.llm_engine: engine ready" in log.read_text()

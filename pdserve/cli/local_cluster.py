@@ -16,7 +16,7 @@ def _cmd_local_cluster(args: argparse.Namespace) -> int:
         deleted = local.down(args.name)
         print(f"pdserve: cluster {args.name} down ({len(deleted)} namespaces removed)")
         return 0
-    server_argv = ["--prefill-threshold", str(args.prefill_threshold),
+    server_argv = ["--routing", args.routing, "--prefill-threshold", str(args.prefill_threshold),
                    "--kv-failure-policy", args.kv_failure_policy]
     if args.max_model_len:
         server_argv += ["--max-model-len", str(args.max_model_len)]

@@ -1,38 +1,68 @@
 """What the engine measures of its own steps for the router's predicted-TTFT routing: its
 prefill throughput and the prompt tokens still to prefill, kept as plain numbers that a
-heartbeat thread may read at any time."""
+heartbeat thread may read at any time.
+
+A step's wall time is modelled as ``base_s + num_prefill_tokens / rate``: ``base_s`` is
+what a step costs without prefill tokens (reading the weights for the decode rows),
+measured on decode-only steps; the rate is the marginal one a prefill adds, so a few
+prompt tokens riding along a decode batch are not mistaken for a slow prefill. The
+engine's first step is not measured: it pays one-time costs (allocations, kernel choices).
+"""
 
 from __future__ import annotations
 
+import math
+
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 
-#: Weight of the newest step in the moving average of the prefill rate.
-EMA_WEIGHT = 0.2
+#: Weight of the newest decode-only step in the moving average of ``base_s``.
+BASE_EMA_WEIGHT = 0.2
+#: Prefill steps are averaged over roughly this many of the latest prefilled tokens (an
+#: older step's weight decays by ``exp(-tokens since / PREFILL_WINDOW_TOKENS)``).
+PREFILL_WINDOW_TOKENS = 2048
+#: The marginal prefill time is at least this share of the prefill steps' time (guards
+#: against a noisy ``base_s`` larger than a small prefill step).
+MIN_MARGINAL_SHARE = 0.1
 
 
 class PrefillStats:
     """Prefill rate and backlog, updated once per step (:meth:`observe`).
 
     Attributes:
-        prefill_tokens_per_s: moving average of prompt tokens per second of step wall time
-            over steps that prefilled (decode rows in the same step included in the time);
-            0 until the first such step.
+        step_base_s: moving average of the wall time of steps without prefill tokens
+            (seconds; 0 until one ran).
+        prefill_tokens_per_s: marginal prefill throughput, tokens per second of step time
+            beyond ``step_base_s`` (0 until a step prefilled).
         num_prefill_tokens_queued: prompt tokens not yet prefilled after the last step
             (waiting requests and the rest of partly prefilled ones).
     """
 
     def __init__(self) -> None:
+        self.step_base_s = 0.0
         self.prefill_tokens_per_s = 0.0
         self.num_prefill_tokens_queued = 0
+        self._is_first_step = True
+        # decayed sums over prefill steps: seconds, tokens, steps
+        self._sum_s = self._sum_tokens = self._num_steps = 0.0
 
     def observe(self, sched: SchedulerOutput, scheduler: Scheduler, step_s: float) -> None:
         """Fold in one step that ran ``sched`` in ``step_s`` seconds (after the scheduler
         advanced its requests)."""
         num_prefill = sum(s.num_new_tokens for s in sched.scheduled[sched.num_decodes:])
-        if num_prefill and step_s > 0:
-            sample = num_prefill / step_s
-            old = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = sample if old <= 0 else old + EMA_WEIGHT * (sample - old)
+        if self._is_first_step:
+            self._is_first_step = False
+        elif num_prefill == 0:
+            old = self.step_base_s
+            self.step_base_s = step_s if old <= 0 else old + BASE_EMA_WEIGHT * (step_s - old)
+        else:
+            keep = math.exp(-num_prefill / PREFILL_WINDOW_TOKENS)
+            self._sum_s = keep * self._sum_s + step_s
+            self._sum_tokens = keep * self._sum_tokens + num_prefill
+            self._num_steps = keep * self._num_steps + 1
+        if self._sum_tokens > 0:
+            marginal_s = max(self._sum_s - self.step_base_s * self._num_steps,
+                             MIN_MARGINAL_SHARE * self._sum_s)
+            self.prefill_tokens_per_s = self._sum_tokens / marginal_s
         self.num_prefill_tokens_queued = sum(
             r.num_tokens - r.num_computed_tokens
             for queue in (scheduler.waiting, scheduler.running) for r in queue

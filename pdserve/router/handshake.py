@@ -94,6 +94,8 @@ class RemotePrefillHandshake:
             return
         if remote.fire(RemoteEvent.RESERVED) is None:
             return
+        if preferred is not None and preferred is not prefill:
+            preferred.prefill_backlog.pop(msg.request_id, None)
         remote.prefill_worker_id = prefill.worker_id
         prefill.inflight.add(msg.request_id)
         prefill.prefill_backlog[msg.request_id] = len(remote.prompt_token_ids)

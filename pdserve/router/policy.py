@@ -174,7 +174,7 @@ def remote_estimate(prefill: WorkerInfo, num_tokens: int) -> PathEstimate | None
 
 
 @dataclass(frozen=True)
-class PredictedTTFTPolicy:
+class PredictedTTFTPolicy(ThresholdPolicy):
     """Route each prompt by predicted cost instead of a fixed length.
 
     The least-loaded decode worker D (as :func:`choose_decode`) runs the request either
@@ -195,15 +195,9 @@ class PredictedTTFTPolicy:
         ValueError: ``prefill_threshold < 1``.
     """
 
-    prefill_threshold: int = 512
-
-    def __post_init__(self) -> None:
-        if self.prefill_threshold < 1:
-            raise ValueError(f"prefill_threshold must be >= 1, got {self.prefill_threshold}")
-
     def route(self, request: RouteRequest, workers: ClusterView) -> Route | None:
         """The cheaper of the local and remote paths (see the class docstring)."""
-        fallback = ThresholdPolicy(self.prefill_threshold).route(request, workers)
+        fallback = super().route(request, workers)
         if fallback is None or request.wants_prompt_logprobs or \
                 not fallback.decode.info.kv_address:
             return fallback

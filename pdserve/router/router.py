@@ -15,15 +15,11 @@ Runs inside the API server's asyncio loop. Public surface::
     async for delta in handle: ...      # RequestDelta objects until finished
     router.abort(request_id)            # e.g. client went away
 
-Routes (length-threshold policy): prompts with fewer than ``prefill_threshold`` tokens not
-already cached on the chosen decode worker (as far as the router can tell, see
-:mod:`~pdserve.router.prefix_index`) go to the least-loaded decode worker (among equally
-loaded ones, the one holding the longest prefix), which prefills them itself (``local``);
-longer ones are prefilled by the least-loaded prefill worker and their KV pushed to a
-decode worker that reserved blocks first (``remote_prefill``); with no prefill worker alive
-they fall back to a decode worker (``fallback``). A request asking for prompt logprobs is
-always ``local``: its prompt must run through the model on the worker that reports them,
-and a prefill worker reports only the first token.
+Routes (:mod:`~pdserve.router.policy`): ``local`` (the decode worker prefills the prompt
+itself), ``remote_prefill`` (a prefill worker does, and pushes the KV to a decode worker
+that reserved blocks first) or ``fallback`` (a long prompt, but no prefill worker alive). A
+request asking for prompt logprobs is always ``local``: a prefill worker reports only the
+first token.
 """
 
 from __future__ import annotations
@@ -243,9 +239,10 @@ class Router:
         self.handles[request_id] = handle
         decode.inflight.add(request_id)
         if route.kind == REMOTE_PREFILL:
-            handle.remote = RemotePrefill(list(prompt_token_ids), params,
-                                          preferred_prefill_id=route.prefill and
-                                          route.prefill.worker_id)
+            handle.remote = RemotePrefill(list(prompt_token_ids), params)
+            if route.prefill is not None:  # its queue grows now, not once D has reserved
+                handle.remote.preferred_prefill_id = route.prefill.worker_id
+                route.prefill.prefill_backlog[request_id] = len(prompt_token_ids)
             self.send(decode.worker_id, ExpectRemoteKV(
                 request_id, list(prompt_token_ids), params, time.time()))
         else:
@@ -310,13 +307,11 @@ class Router:
 
     def _forget_backlog(self, handle: RequestHandle) -> None:
         """``handle``'s prompt no longer waits for a prefill on any of its workers."""
-        ids = [handle.worker_id]
-        if handle.remote is not None and handle.remote.prefill_worker_id is not None:
-            ids.append(handle.remote.prefill_worker_id)
-        for worker_id in ids:
-            worker = self.registry.workers.get(worker_id)
-            if worker is not None:
-                worker.prefill_backlog.pop(handle.request_id, None)
+        remote = handle.remote
+        ids = (handle.worker_id,) if remote is None else (
+            handle.worker_id, remote.prefill_worker_id, remote.preferred_prefill_id)
+        for worker in filter(None, map(self.registry.workers.get, ids)):
+            worker.prefill_backlog.pop(handle.request_id, None)
 
     # -- worker outputs ----------------------------------------------------------------------
     def _on_step_outputs(self, msg: StepOutputs, sender: str = "") -> None:
