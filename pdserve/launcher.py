@@ -297,7 +297,6 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str],
     keys = cluster_keys_from_args(args, ephemeral=True)
     state = build_server_state(args, router_address, keys)
     slots = _start_workers(args, engine_argv, state.router.address, keys)
-    state.metrics.expose_worker_restarts({w.role for w in slots})
     supervisor = WorkerSupervisor(slots, restart_policy or RestartPolicy(),
                                   is_stopping=lambda: state.draining,
                                   on_restart=state.metrics.observe_worker_restart)

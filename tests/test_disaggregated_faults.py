@@ -174,7 +174,7 @@ def test_streams_cut_by_a_killed_decode_worker_continue_elsewhere_without_loss()
     the same greedy text as an uninterrupted run (fp32, so batch composition does not flip
     a near-tie)."""
     srv = ServerProcess("--num-prefill", "0", "--num-decode", "2", "--dtype", "float32",
-                        colocated=False)
+                        "--max-worker-restarts", "0", colocated=False)
     prompts = [f"Write a long story about a lighthouse keeper named Tom, part {i}."
                for i in range(4)]
     max_tokens = 48

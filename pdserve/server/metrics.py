@@ -163,6 +163,8 @@ class ServerMetrics:
         self.worker_restarts = Counter(
             "pdserve:worker_restarts", "Workers that exited and were started again by "
             "pdserve serve, by role.", _MODEL_LABEL + ("role",), registry=r)
+        for role in ("decode", "prefill"):  # exported at 0 (a server without a supervisor
+            self.worker_restarts.labels(self.model_name, role)  # restarts nothing)
         self.worker_up = Gauge("pdserve:worker_up", "1 while a worker is alive.", wl, registry=r)
         self.worker_num_requests_running = Gauge(
             "pdserve:worker_num_requests_running", "Requests running on each worker.", wl,
@@ -187,11 +189,6 @@ class ServerMetrics:
                 self.worker_num_requests_running.labels(*key).set(w.load.num_running)
                 self.worker_kv_cache_usage_perc.labels(*key).set(w.load.kv_cache_usage)
                 self.worker_requests_served.labels(*key).set(w.load.num_requests_served)
-
-    def expose_worker_restarts(self, roles) -> None:
-        """Export the restart counter at 0 for ``roles`` (those a supervisor restarts)."""
-        for role in sorted(roles):
-            self.worker_restarts.labels(self.model_name, role)
 
     def observe_worker_restart(self, role: str) -> None:
         """Count one restart of a worker of ``role`` ("decode" / "prefill")."""
