@@ -37,7 +37,7 @@ from pdserve.server.serving_common import (
     sse,
     start_generation,
     to_params,
-    worker_error,
+    collect_choices,
 )
 from pdserve.server.state import ServerState
 from pdserve.server.tools.grammar import tool_call_constraint
@@ -153,18 +153,7 @@ async def create_chat_completion(state: ServerState, raw: bytes):
                         parser)),
             media_type="text/event-stream")
 
-    texts = [""] * params.n
-    logprobs: list[list[TokenLogprob] | None] = [None] * params.n
-    finish: list[str | None] = [None] * params.n
-    try:
-        async for ev in gen.events():
-            texts[ev.index] += ev.text
-            if ev.logprobs is not None:
-                logprobs[ev.index] = (logprobs[ev.index] or []) + list(ev.logprobs)
-            if ev.finish_reason is not None:
-                finish[ev.index] = ev.finish_reason
-    except Exception as exc:
-        raise worker_error(exc) from None
+    texts, logprobs, finish = await collect_choices(gen.events(), [""] * params.n)
     want_logprobs = params.logprobs is not None
     choices = []
     for i in range(params.n):

@@ -10,6 +10,7 @@ from typing import AsyncIterator, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.structured_output import (
     StructuredOutputParams,
     validate_structured_output,
@@ -135,6 +136,36 @@ def worker_error(exc: Exception) -> APIError:
     if isinstance(exc, WorkerFailed):
         return APIError(503, str(exc), code="worker_failed")
     return APIError(500, "internal server error")
+
+
+async def collect_choices(events: AsyncIterator, texts: list[str]) -> tuple[
+        list[str], list[list[TokenLogprob] | None], list[str | None]]:
+    """Fold a request's streamed choice events into whole choices (a non-streamed response).
+
+    Args:
+        events: ``ChoiceEvent`` objects (``index``, ``text``, ``logprobs``,
+            ``finish_reason``) of all the request's choices, interleaved.
+        texts: each choice's starting text (an echoed prompt, or ""); extended in place.
+
+    Returns:
+        ``(texts, logprobs, finish_reasons)`` per choice; a choice's logprobs are None when
+        none were asked for.
+
+    Raises:
+        APIError: a worker's failure while generating (:func:`worker_error`).
+    """
+    logprobs: list[list[TokenLogprob] | None] = [None] * len(texts)
+    finish: list[str | None] = [None] * len(texts)
+    try:
+        async for ev in events:
+            texts[ev.index] += ev.text
+            if ev.logprobs is not None:
+                logprobs[ev.index] = (logprobs[ev.index] or []) + list(ev.logprobs)
+            if ev.finish_reason is not None:
+                finish[ev.index] = ev.finish_reason
+    except Exception as exc:
+        raise worker_error(exc) from None
+    return texts, logprobs, finish
 
 
 async def sse(chunks: AsyncIterator[str]) -> AsyncIterator[bytes]:

@@ -29,7 +29,7 @@ from pdserve.server.serving_common import (
     sse,
     start_generation,
     to_params,
-    worker_error,
+    collect_choices,
 )
 from pdserve.server.state import ServerState
 
@@ -281,21 +281,11 @@ class _CompletionInFlight:
         """The whole response, once every choice has finished.
 
         Raises:
-            APIError: a worker's failure while generating (see :func:`worker_error`).
+            APIError: a worker's failure while generating (see :func:`~pdserve.server.serving_common.worker_error`).
         """
         n, num_choices = self.n, self.num_choices
-        texts = [self.echoed[i // n] for i in range(num_choices)]
-        lps: list[list[TokenLogprob] | None] = [None] * num_choices
-        finish: list[str | None] = [None] * num_choices
-        try:
-            async for ev in _merged(self.gens, n):
-                texts[ev.index] += ev.text
-                if ev.logprobs is not None:
-                    lps[ev.index] = (lps[ev.index] or []) + list(ev.logprobs)
-                if ev.finish_reason is not None:
-                    finish[ev.index] = ev.finish_reason
-        except Exception as exc:
-            raise worker_error(exc) from None
+        texts, lps, finish = await collect_choices(
+            _merged(self.gens, n), [self.echoed[i // n] for i in range(num_choices)])
         choices = [CompletionResponseChoice(
             index=i, text=texts[i], finish_reason=finish[i],
             logprobs=_joined(self._echo_logprobs(i), completion_logprobs(
