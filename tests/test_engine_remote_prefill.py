@@ -59,6 +59,33 @@ def test_resume_locally_continues_after_the_streamed_first_token(engines):
     assert [expected.token_ids[0]] + rest == expected.token_ids
 
 
+def test_seeded_sampling_continues_its_random_stream_on_another_worker(engines):
+    """A seeded, sampled request gives the same tokens whether one engine runs it, a prefill
+    worker samples its first token and a decode worker the rest, the decode worker
+    recomputes after that first token, or a second engine takes over after 5 tokens
+    (a migration): each continuation skips the draws of the tokens sampled before it."""
+    prefill, decode, colocated = engines
+    prompt = make_prompts([60], seed=8)[0]
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=NUM_NEW_TOKENS,
+                            ignore_eos=True)
+    expected = colocated.generate([prompt], seeded, detokenize=False)[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, seed=99, max_tokens=NUM_NEW_TOKENS,
+                              ignore_eos=True)
+    assert colocated.generate([prompt], unseeded, detokenize=False)[0].outputs[0] \
+        .token_ids != expected  # the seed matters, so equality below means something
+    prefill.add_request("remote", prompt, seeded, export_kv=True)
+    decode.reserve_remote_prefill("remote", prompt, seeded)
+    first = run_to_end(prefill)["remote"]
+    assert first == expected[:1]
+    assert decode.complete_remote_prefill("remote", first[0], prefill.pop_exported_kv("remote"))
+    assert first + run_to_end(decode)["remote"] == expected
+    decode.reserve_remote_prefill("resumed", prompt, seeded)
+    assert decode.resume_locally("resumed", expected[:1])
+    assert expected[:1] + run_to_end(decode)["resumed"] == expected
+    decode.add_request("migrated", prompt, seeded, output_token_ids=expected[:5])
+    assert expected[:5] + run_to_end(decode)["migrated"] == expected
+
+
 def test_abort_of_a_parked_request_frees_its_reservation(engines):
     _, decode, _ = engines
     initial = decode.num_free_blocks

@@ -135,6 +135,7 @@ class LLMEngine:
             if any(not 0 <= t < vocab for t in output_token_ids):
                 raise ValueError(f"output token ids must be integers in [0, {vocab})")
             request.token_ids.extend(output_token_ids)
+            request.skip_sampled_draws(len(output_token_ids), vocab)
             if request.check_stop(self.max_model_len) is not None:
                 raise ValueError("the given output tokens already finish this request")
             if not self._consume_grammar(request):
@@ -204,6 +205,7 @@ class LLMEngine:
         req.num_computed_tokens = req.num_prompt_tokens
         self.block_manager.cache_computed_blocks(req)
         req.append_output_token(first_token_id)
+        req.skip_sampled_draws(1, self.arch.vocab_size)
         status = req.check_stop(self.max_model_len)
         if status is None and not self._consume_grammar(req):
             logger.error("request %s: first token %d breaks its grammar", request_id,
@@ -235,6 +237,7 @@ class LLMEngine:
         req.num_computed_tokens = 0
         req.num_draft_computed = 0
         req.token_ids = req.prompt_token_ids + list(output_token_ids)
+        req.skip_sampled_draws(len(output_token_ids), self.arch.vocab_size)
         if req.grammar is not None:
             req.grammar = self.structured_output.new_matcher(
                 req.sampling_params.structured_output)

@@ -8,7 +8,7 @@ import time
 import torch
 
 from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from pdserve.engine.structured_output import GrammarMatcher
 
 
@@ -91,6 +91,19 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(sampling_params.seed)
+
+    def skip_sampled_draws(self, num_tokens: int, vocab_size: int) -> None:
+        """Advance a seeded, sampled request's generator past ``num_tokens`` tokens that
+        were sampled elsewhere (another worker before a migration, the prefill worker's
+        first token), so it continues its random stream where that worker stopped: the
+        sampler draws one ``[vocab_size]`` fp32 Exp(1) vector per token. Speculative
+        decoding draws a varying amount per step, so a continuation under it is not
+        reproducible."""
+        if self.generator is None or self.sampling_params.temperature <= GREEDY_TEMPERATURE:
+            return
+        noise = torch.empty(vocab_size, dtype=torch.float32, device=self.generator.device)
+        for _ in range(num_tokens):
+            noise.exponential_(generator=self.generator)
 
     @property
     def num_tokens(self) -> int:
