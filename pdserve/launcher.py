@@ -130,6 +130,7 @@ def build_server_state(args: argparse.Namespace, router_address: str, cluster_ke
     tokenizer = load_tokenizer(path)
     metrics = ServerMetrics(name)
     routing = RoutingConfig(prefill_threshold=args.prefill_threshold, policy=args.routing,
+                            migration_timeout_s=args.migration_timeout,
                             kv_failure_policy=args.kv_failure_policy,
                             reserve_timeout_s=args.kv_transfer_timeout,
                             first_token_timeout_s=args.first_token_timeout,
@@ -299,7 +300,8 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str],
     slots = _start_workers(args, engine_argv, state.router.address, keys)
     supervisor = WorkerSupervisor(slots, restart_policy or RestartPolicy(),
                                   is_stopping=lambda: state.draining,
-                                  on_restart=state.metrics.observe_worker_restart)
+                                  on_restart=state.metrics.observe_worker_restart,
+                                  on_exit=state.router.recovery.on_worker_exit)
     try:
         return asyncio.run(_serve_http(state, args.host, args.port, supervisor,
                                        args.shutdown_grace_period))

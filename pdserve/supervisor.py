@@ -133,15 +133,19 @@ class WorkerSupervisor:
         is_stopping: True while the server drains or stops: exits are expected then, and
             nothing is restarted.
         on_restart: called with a worker's role on each restart (the metric).
+        on_exit: called with a worker's id as soon as its process is seen to have exited
+            (the router drops it at once instead of waiting for missed heartbeats).
     """
 
     def __init__(self, workers: list[SupervisedWorker], policy: RestartPolicy,
                  is_stopping: Callable[[], bool] = lambda: False,
-                 on_restart: Callable[[str], None] = lambda role: None) -> None:
+                 on_restart: Callable[[str], None] = lambda role: None,
+                 on_exit: Callable[[str], None] = lambda worker_id: None) -> None:
         self.workers = workers
         self.policy = policy
         self.is_stopping = is_stopping
         self.on_restart = on_restart
+        self.on_exit = on_exit
 
     @property
     def processes(self) -> list[subprocess.Popen]:
@@ -175,6 +179,7 @@ class WorkerSupervisor:
     def _on_exit(self, w: SupervisedWorker, what: str, now_s: float) -> None:
         """Schedule ``w``'s restart after its backoff, or give up on it; ``what`` says
         what happened, for the log line."""
+        self.on_exit(w.worker_id)
         p = self.policy
         serving_on = f"serving on with {self.num_running} of {len(self.workers)} workers"
         if not p.use_restarts:

@@ -528,3 +528,57 @@ def test_predicted_routing_sends_to_the_chosen_prefill_worker_and_tracks_backlog
         assert d0.prefill_backlog == {}
     finally:
         h.close()
+
+
+# -- migration ------------------------------------------------------------------------------
+def register_decode(h: Harness, wid: str) -> None:
+    h.recv(wid, RegisterWorker(worker_id=wid, role="decode", model_name="m",
+                               max_model_len=4096, block_size=BLOCK, num_kv_blocks=256, pid=1,
+                               kv_address="tcp://127.0.0.1:1"))
+
+
+def test_a_request_whose_only_decode_worker_died_waits_for_the_next_one(harness):
+    """The supervisor reports d0's exit: r1 (two tokens streamed) waits without an error;
+    when a decode worker registers it is resubmitted there after those two tokens, and the
+    new worker's tokens reach the same stream."""
+    handle = harness.router.add_request("r1", prompt(8), SamplingParams(max_tokens=6))
+    harness.recv("d0", StepOutputs("d0", [delta("r1", [11, 12])]))
+    harness.take()
+    harness.router.recovery.on_worker_exit("d0")
+    assert harness.take() == [] and "r1" in harness.router.recovery.orphans
+    harness.recv("d0", StepOutputs("d0", [delta("r1", [99])]))  # a late word from d0
+    register_decode(harness, "d1")
+    sent = [(wid, msg) for wid, msg in harness.sent if isinstance(msg, GenerateRequest)]
+    assert [(wid, msg.output_token_ids) for wid, msg in sent] == [("d1", [11, 12])]
+    assert harness.router.recovery.orphans == {} and handle.worker_id == "d1"
+    harness.recv("d1", StepOutputs("d1", [delta("r1", [13, 14, 15, 16], finished=True)]))
+    assert [d.new_token_ids for d in drain(handle)] == [[11, 12], [13, 14, 15, 16]]
+    assert "r1" not in harness.router.handles
+
+
+def test_a_waiting_request_ends_with_an_error_past_the_migration_timeout():
+    h = Harness(migration_timeout_s=5.0)
+    try:
+        handle = h.router.add_request("r1", prompt(8), SamplingParams(max_tokens=6))
+        h.router.recovery.on_worker_exit("d0")
+        h.router.recovery.check_deadlines(time.monotonic() + 4.0)
+        assert "r1" in h.router.handles and drain(handle) == []
+        h.router.recovery.check_deadlines(time.monotonic() + 6.0)
+        [error] = drain(handle)
+        assert isinstance(error, WorkerFailed) and "within 5 s" in str(error)
+        assert h.router.handles == {} and h.router.recovery.orphans == {}
+    finally:
+        h.close()
+
+
+def test_without_a_migration_timeout_a_request_with_no_decode_worker_left_fails_at_once():
+    h = Harness(migration_timeout_s=0)
+    try:
+        handle = h.router.add_request("r1", prompt(8), SamplingParams(max_tokens=6))
+        h.router.recovery.on_worker_exit("d0")
+        [error] = drain(handle)
+        assert isinstance(error, WorkerFailed) and "d0" in str(error)
+        with pytest.raises(ValueError, match="migration_timeout_s"):
+            RoutingConfig(migration_timeout_s=-1)
+    finally:
+        h.close()

@@ -7,6 +7,7 @@ the end-to-end cases kill -9 the decode worker of a real ``pdserve serve``."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -208,5 +209,43 @@ def test_serve_with_zero_max_worker_restarts_leaves_a_killed_worker_down():
         assert httpx.get(f"{srv.base}/health").status_code == 503
         assert chat(srv).status_code == 503
         assert metrics(srv)["pdserve:worker_restarts_total{role=decode}"] == 0
+    finally:
+        srv.stop()
+
+
+@needs_model
+@pytest.mark.slow  # two model loads and a stream that waits for the second: 40-90 s
+def test_a_stream_cut_by_the_only_decode_workers_death_continues_on_its_restart():
+    """kill -9 of the only decode worker mid-stream: the request waits for the restarted
+    worker, is resubmitted after the tokens already streamed, and the client's stream ends
+    with exactly max_tokens tokens and the same greedy text as an uninterrupted run (fp32,
+    so recomputing the streamed tokens as prompt does not flip a near-tie)."""
+    srv = ServerProcess("--dtype", "float32")
+    prompt, max_tokens = "Write a long story about a lighthouse keeper named Tom.", 40
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        victim = srv.worker_pid()
+        text, usage, num_chunks = "", {}, 0
+        with httpx.stream("POST", f"{srv.base_url}/completions", json=body,
+                          timeout=RESTART_TIMEOUT_S) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    text += choice["text"]
+                    num_chunks += 1
+                if num_chunks == 3:
+                    os.kill(victim, signal.SIGKILL)
+        assert usage["completion_tokens"] == max_tokens
+        ref = httpx.post(f"{srv.base_url}/completions", timeout=60,
+                         json={**body, "stream": False, "stream_options": None}).json()
+        assert text == ref["choices"][0]["text"]
+        m = metrics(srv)
+        assert m["pdserve:request_retries_total{}"] == 1
+        assert m["pdserve:worker_restarts_total{role=decode}"] == 1.0
     finally:
         srv.stop()

@@ -101,6 +101,10 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="prompts with at least this many tokens go to a prefill worker")
     g.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="when a KV transfer fails: recompute on the decode worker, or fail")
+    g.add_argument("--migration-timeout", type=float, default=120.0,
+                   help="seconds a request whose decode worker died waits for another one "
+                        "(e.g. the restarted one) before it fails; 0: fail at once when no "
+                        "decode worker is left")
 
 
 def _add_supervision_args(p: argparse.ArgumentParser) -> None:

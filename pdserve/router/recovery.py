@@ -1,6 +1,13 @@
 """What happens to requests when time runs out or a worker dies: every request's
 first-token deadline, the deadline of a remote prefill's current state, and the requests of
-a worker that stopped responding (re-placed once on another decode worker, or ended).
+a worker that died or stopped responding.
+
+A request whose decode worker is lost migrates once: it is resubmitted to another decode
+worker with the tokens the client already has appended to its prompt, so its stream goes
+on with nothing repeated or missing (a seeded, sampled request continues its random
+stream: :meth:`~pdserve.engine.request.Request.skip_sampled_draws`). With no decode worker
+left it waits up to ``migration_timeout_s`` for one to register (the one ``serve``
+restarts), then ends with an error.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ class RequestRecovery:
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        #: request id -> ``time.monotonic()`` deadline: lost their decode worker, wait for one
+        self.orphans: dict[str, float] = {}
 
     def check_deadlines(self, now_s: float | None = None) -> None:
         """End or move on requests past a deadline: the first-token deadline of every
@@ -49,14 +58,40 @@ class RequestRecovery:
             if deadline is None or now <= deadline:
                 continue
             router.handshake.on_deadline(handle)
+        for rid, deadline in list(self.orphans.items()):
+            handle = router.handles.get(rid)
+            if handle is not None and now > deadline:
+                router.end(handle, WORKER_LOST, WorkerFailed(
+                    "its decode worker died and no decode worker came back within "
+                    f"{router.routing.migration_timeout_s:g} s; retry later"))
+            if handle is None or now > deadline:
+                del self.orphans[rid]
 
-    def on_worker_lost(self, worker: WorkerInfo) -> None:
-        """A worker missed its heartbeats: its decodes move to another decode worker (once)
-        or fail; remote prefills it still owed anything go to their decode worker."""
+    def on_worker_exit(self, worker_id: str) -> None:
+        """A worker's process exited (its supervisor saw it): drop it now rather than after
+        its missed heartbeats."""
+        worker = self.router.registry.workers.pop(worker_id, None)
+        if worker is not None:
+            self.on_worker_lost(worker, "exited")
+
+    def place_orphans(self) -> None:
+        """Migrate the requests waiting for a decode worker, while one accepts them."""
+        for rid in list(self.orphans):
+            handle = self.router.handles.get(rid)
+            decode = self.router.registry.least_loaded("decode")
+            if handle is not None and decode is None:
+                return
+            del self.orphans[rid]
+            if handle is not None:
+                self._migrate(handle, decode)
+
+    def on_worker_lost(self, worker: WorkerInfo, why: str = "missed its heartbeats") -> None:
+        """A worker is gone: its decodes migrate (once) or fail; remote prefills it still
+        owed anything go to their decode worker."""
         router = self.router
         router.prefix_indexes.pop(worker.worker_id, None)
-        logger.warning("worker %s (%s) missed its heartbeats; dropping it",
-                       worker.worker_id, worker.info.role)
+        logger.warning("worker %s (%s) %s; dropping it", worker.worker_id, worker.info.role,
+                       why)
         for handle in list(router.handles.values()):
             remote = handle.remote
             if handle.worker_id == worker.worker_id:
@@ -67,14 +102,13 @@ class RequestRecovery:
                 router.handshake.on_prefill_worker_lost(handle, worker)
 
     def retry_elsewhere(self, handle: RequestHandle) -> bool:
-        """Re-place a request whose decode worker died, once; it then runs as a local
-        request on another decode worker, continuing after the tokens the client already
-        has (they are prefilled with the prompt, so nothing is duplicated or lost)."""
+        """Migrate a request whose decode worker died, once (see the module docstring); False
+        when it cannot (already migrated, or no decode worker and no time to wait)."""
         router = self.router
         if handle.is_retried or handle.params is None:
             return False
         decode = router.registry.least_loaded("decode")
-        if decode is None:
+        if decode is None and not router.routing.migration_timeout_s:
             return False
         remote = handle.remote
         if remote is not None and remote.prefill_worker_id is not None:
@@ -84,10 +118,24 @@ class RequestRecovery:
                 router.send(pworker.worker_id, AbortRequests([handle.request_id]))
         handle.is_retried = True
         handle.remote = None
+        if decode is None:
+            old = router.registry.workers.get(handle.worker_id)
+            if old is not None:
+                old.inflight.discard(handle.request_id)
+            handle.worker_id = ""  # no worker may report on it meanwhile
+            self.orphans[handle.request_id] = \
+                time.monotonic() + router.routing.migration_timeout_s
+            logger.warning("%s waits for a decode worker", handle.request_id)
+            return True
+        self._migrate(handle, decode)
+        return True
+
+    def _migrate(self, handle: RequestHandle, decode: WorkerInfo) -> None:
+        """Resubmit ``handle`` to ``decode`` after the tokens its client already has."""
+        router = self.router
         router.move(handle, decode)
         router.count("request_retries")
         logger.warning("retrying %s on %s", handle.request_id, decode.worker_id)
         router.send(decode.worker_id, GenerateRequest(
             handle.request_id, handle.prompt_token_ids, handle.params, time.time(),
             output_token_ids=list(handle.output_token_ids)))
-        return True

@@ -52,6 +52,9 @@ class RoutingConfig:
             (its queue); when the chosen worker's is full a new request gets 503 at once.
         policy: the routing policy (``--routing``): "threshold" (the length threshold) or
             "predicted" (:class:`~pdserve.router.policy.PredictedTTFTPolicy`).
+        migration_timeout_s: how long a request whose decode worker died waits for another
+            one (a restarted one) before it ends with an error; 0 ends it at once when no
+            decode worker is left.
 
     Raises:
         ValueError: naming the field.
@@ -64,6 +67,7 @@ class RoutingConfig:
     kv_timeout_s: float = 120.0
     max_waiting_per_worker: int = 512
     policy: str = "threshold"
+    migration_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -74,6 +78,8 @@ class RoutingConfig:
         if self.first_token_timeout_s < 0:
             raise ValueError(f"first_token_timeout_s must be >= 0, got "
                              f"{self.first_token_timeout_s}")
+        if self.migration_timeout_s < 0:
+            raise ValueError(f"migration_timeout_s must be >= 0, got {self.migration_timeout_s}")
         if self.kv_timeout_s < 0:
             raise ValueError(f"kv_timeout_s must be >= 0, got {self.kv_timeout_s}")
         if self.prefill_threshold < 1:

@@ -94,10 +94,10 @@ class Router:
         policy: the routing policy (default: :class:`ThresholdPolicy` at
             ``routing.prefill_threshold``).
 
-    Hostile input on the socket is dropped and counted (:mod:`~pdserve.router.worker_socket`,
-    which also caps a frame at :data:`MAX_CONTROL_MESSAGE_BYTES`). The receive and liveness loops are supervised: one that fails is logged, counted
-    (``pdserve:router_loop_restarts_total``) and restarted; :attr:`is_healthy` is False
-    while one is down.
+    Hostile input is dropped and counted (:mod:`~pdserve.router.worker_socket`; frames
+    over :data:`MAX_CONTROL_MESSAGE_BYTES` never buffer). A failed receive or liveness loop
+    is logged, counted (``pdserve:router_loop_restarts_total``) and restarted;
+    :attr:`is_healthy` is False while one is down.
     """
 
     def __init__(self, address: str, routing: RoutingConfig | None = None, metrics=None,
@@ -141,8 +141,7 @@ class Router:
     @property
     def is_healthy(self) -> bool:
         """True while the router's loops run (started and none down)."""
-        return bool(self._tasks) and not self._loops_down and \
-            not any(t.done() for t in self._tasks)
+        return bool(self._tasks) and not self._loops_down and not any(t.done() for t in self._tasks)
 
     async def _supervise(self, name: str, loop) -> None:
         """Run ``loop`` forever: an exception is logged and counted, and the loop restarts
@@ -315,7 +314,6 @@ class Router:
 
     # -- worker outputs ----------------------------------------------------------------------
     def _on_step_outputs(self, msg: StepOutputs, sender: str = "") -> None:
-        self.registry.touch(msg.worker_id)
         for delta in msg.deltas:
             handle = self.handles.get(delta.request_id)
             if handle is None:
@@ -353,6 +351,8 @@ class Router:
         self.send(msg.worker_id, RegisterAck(self.registry.heartbeat_interval_s))
         logger.info("worker %s (%s, pid %d) registered", msg.worker_id, msg.role, msg.pid)
         self.worker_registered.set()
+        if msg.role == "decode":
+            self.recovery.place_orphans()
 
     # -- socket ----------------------------------------------------------------------------
     def send(self, worker_id: str, msg) -> None:
@@ -372,6 +372,7 @@ class Router:
         if checked is None:
             return
         worker_id, msg = checked
+        self.registry.touch(worker_id)  # any message is a sign of life
         try:
             self._handlers[type(msg)](msg, worker_id)
         except Exception:  # a bad message must not stop the router
