@@ -578,7 +578,8 @@ def test_without_a_migration_timeout_a_request_with_no_decode_worker_left_fails_
         h.router.recovery.on_worker_exit("d0")
         [error] = drain(handle)
         assert isinstance(error, WorkerFailed) and "d0" in str(error)
-        with pytest.raises(ValueError, match="migration_timeout_s"):
-            RoutingConfig(migration_timeout_s=-1)
+        for bad in (-1, float("nan"), float("inf")):  # NaN would never time out
+            with pytest.raises(ValueError, match="migration_timeout_s"):
+                RoutingConfig(migration_timeout_s=bad)
     finally:
         h.close()

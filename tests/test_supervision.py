@@ -209,6 +209,7 @@ def test_serve_with_zero_max_worker_restarts_leaves_a_killed_worker_down():
         assert httpx.get(f"{srv.base}/health").status_code == 503
         assert chat(srv).status_code == 503
         assert metrics(srv)["pdserve:worker_restarts_total{role=decode}"] == 0
+        assert metrics(srv)["pdserve:request_retries_total{}"] == 0  # exported before any
     finally:
         srv.stop()
 

@@ -9,6 +9,7 @@ exceptions map to HTTP statuses in the server (:class:`NoWorkerAvailable` and
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 
@@ -78,8 +79,9 @@ class RoutingConfig:
         if self.first_token_timeout_s < 0:
             raise ValueError(f"first_token_timeout_s must be >= 0, got "
                              f"{self.first_token_timeout_s}")
-        if self.migration_timeout_s < 0:
-            raise ValueError(f"migration_timeout_s must be >= 0, got {self.migration_timeout_s}")
+        if not 0 <= self.migration_timeout_s < math.inf:  # NaN fails too
+            raise ValueError(f"migration_timeout_s must be a finite number >= 0, got "
+                             f"{self.migration_timeout_s}")
         if self.kv_timeout_s < 0:
             raise ValueError(f"kv_timeout_s must be >= 0, got {self.kv_timeout_s}")
         if self.prefill_threshold < 1:

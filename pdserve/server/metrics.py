@@ -109,6 +109,7 @@ class ServerMetrics:
         self.request_retries = Counter(
             "pdserve:request_retries", "Requests re-placed after their decode worker died.",
             lbl, registry=r)
+        self.request_retries.labels(self.model_name)  # exported at 0 before the first
         self.request_prefill_time = Histogram(
             "pdserve:request_prefill_time_seconds",
             "Time from a prefill worker taking a request to its first token, in seconds.", lbl,
