@@ -275,7 +275,7 @@ class Harness:
         self.sent.clear()
 
     def recv(self, sender: str, msg) -> None:
-        self.router._on_frames([sender.encode(), self.codec.encode(msg)])
+        self.router.inbox.on_frames([sender.encode(), self.codec.encode(msg)])
 
     def take(self) -> list[tuple[str, str]]:
         out = [(wid, type(msg).__name__) for wid, msg in self.sent]

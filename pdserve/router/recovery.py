@@ -2,12 +2,15 @@
 first-token deadline, the deadline of a remote prefill's current state, and the requests of
 a worker that died or stopped responding.
 
-A request whose decode worker is lost migrates once: it is resubmitted to another decode
-worker with the tokens the client already has appended to its prompt, so its stream goes
-on with nothing repeated or missing (a seeded, sampled request continues its random
-stream: :meth:`~pdserve.engine.request.Request.skip_sampled_draws`). With no decode worker
-left it waits up to ``migration_timeout_s`` for one to register (the one ``serve``
-restarts), then ends with an error.
+A request whose decode worker is lost migrates: it is resubmitted to another decode worker
+with the tokens the client already has appended to its prompt, so its stream goes on with
+nothing repeated or missing (a seeded, sampled request continues its random stream:
+:meth:`~pdserve.engine.request.Request.skip_sampled_draws`). With no decode worker left it
+waits up to ``migration_timeout_s`` for one to register (the one ``serve`` restarts), then
+ends with an error. One request migrates at most ``max_migrations`` times: a poison request
+that crashes every worker it lands on ends with an error instead of taking them all down.
+Each migration is counted in ``pdserve:request_migrations_total`` (and, as before, in
+``pdserve:request_retries_total``).
 """
 
 from __future__ import annotations
@@ -67,12 +70,12 @@ class RequestRecovery:
             if handle is None or now > deadline:
                 del self.orphans[rid]
 
-    def on_worker_exit(self, worker_id: str) -> None:
-        """A worker's process exited (its supervisor saw it): drop it now rather than after
-        its missed heartbeats."""
+    def on_worker_exit(self, worker_id: str, why: str = "exited") -> None:
+        """A worker's process exited (its supervisor saw it) or its connection closed: drop
+        it now rather than after its missed heartbeats (``why`` is for the log line)."""
         worker = self.router.registry.workers.pop(worker_id, None)
         if worker is not None:
-            self.on_worker_lost(worker, "exited")
+            self.on_worker_lost(worker, why)
 
     def place_orphans(self) -> None:
         """Migrate the requests waiting for a decode worker, while one accepts them."""
@@ -86,8 +89,8 @@ class RequestRecovery:
                 self._migrate(handle, decode)
 
     def on_worker_lost(self, worker: WorkerInfo, why: str = "missed its heartbeats") -> None:
-        """A worker is gone: its decodes migrate (once) or fail; remote prefills it still
-        owed anything go to their decode worker."""
+        """A worker is gone: its decodes migrate (up to ``max_migrations`` times each) or
+        fail; remote prefills it still owed anything go to their decode worker."""
         router = self.router
         router.prefix_indexes.pop(worker.worker_id, None)
         logger.warning("worker %s (%s) %s; dropping it", worker.worker_id, worker.info.role,
@@ -97,15 +100,17 @@ class RequestRecovery:
             if handle.worker_id == worker.worker_id:
                 if not self.retry_elsewhere(handle):
                     router.end(handle, WORKER_LOST, WorkerFailed(
-                        f"worker {worker.worker_id} stopped responding"))
+                        f"worker {worker.worker_id} stopped responding"
+                        + self._migrations_note(handle)))
             elif remote is not None:
                 router.handshake.on_prefill_worker_lost(handle, worker)
 
     def retry_elsewhere(self, handle: RequestHandle) -> bool:
-        """Migrate a request whose decode worker died, once (see the module docstring); False
-        when it cannot (already migrated, or no decode worker and no time to wait)."""
+        """Migrate a request whose decode worker died (see the module docstring); False when
+        it cannot (it migrated ``max_migrations`` times already, or no decode worker is left
+        and there is no time to wait)."""
         router = self.router
-        if handle.is_retried or handle.params is None:
+        if handle.num_migrations >= router.routing.max_migrations or handle.params is None:
             return False
         decode = router.registry.least_loaded("decode")
         if decode is None and not router.routing.migration_timeout_s:
@@ -116,7 +121,7 @@ class RequestRecovery:
             if pworker is not None:
                 pworker.inflight.discard(handle.request_id)
                 router.send(pworker.worker_id, AbortRequests([handle.request_id]))
-        handle.is_retried = True
+        handle.num_migrations += 1
         handle.remote = None
         if decode is None:
             old = router.registry.workers.get(handle.worker_id)
@@ -135,7 +140,16 @@ class RequestRecovery:
         router = self.router
         router.move(handle, decode)
         router.count("request_retries")
-        logger.warning("retrying %s on %s", handle.request_id, decode.worker_id)
+        router.count("request_migrations")
+        logger.warning("migrating %s to %s (migration %d of at most %d)", handle.request_id,
+                       decode.worker_id, handle.num_migrations, router.routing.max_migrations)
         router.send(decode.worker_id, GenerateRequest(
             handle.request_id, handle.prompt_token_ids, handle.params, time.time(),
             output_token_ids=list(handle.output_token_ids)))
+
+    def _migrations_note(self, handle: RequestHandle) -> str:
+        """Why a request that could have moved did not: its migration limit (or '')."""
+        limit = self.router.routing.max_migrations
+        if handle.params is None or handle.num_migrations < limit:
+            return ""
+        return f" (the request reached its limit of {limit} migrations)"

@@ -143,9 +143,10 @@ class WorkerRegistry:
         """Alive workers that take new requests (not draining)."""
         return [w for w in self.alive(role) if not w.is_draining]
 
-    def remove_dead(self) -> list[WorkerInfo]:
-        """Drop and return the workers that missed too many heartbeats."""
-        now = time.monotonic()
+    def remove_dead(self, grace_s: float = 0.0) -> list[WorkerInfo]:
+        """Drop and return the workers silent for longer than ``max_missed_heartbeats``
+        periods plus ``grace_s`` seconds (the time the router itself could not listen)."""
+        now = time.monotonic() - max(0.0, grace_s)
         dead = [w for w in self.workers.values() if not self.is_alive(w, now)]
         for w in dead:
             del self.workers[w.worker_id]

@@ -56,6 +56,10 @@ class RoutingConfig:
         migration_timeout_s: how long a request whose decode worker died waits for another
             one (a restarted one) before it ends with an error; 0 ends it at once when no
             decode worker is left.
+        max_migrations: how many times one request may migrate to another decode worker
+            after its own died (``--max-migrations``); past it the request ends with an
+            error. It guards the cluster against a poison request that crashes every
+            worker it lands on; 0 never migrates.
 
     Raises:
         ValueError: naming the field.
@@ -69,6 +73,7 @@ class RoutingConfig:
     max_waiting_per_worker: int = 512
     policy: str = "threshold"
     migration_timeout_s: float = 120.0
+    max_migrations: int = 10
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -82,6 +87,8 @@ class RoutingConfig:
         if not 0 <= self.migration_timeout_s < math.inf:  # NaN fails too
             raise ValueError(f"migration_timeout_s must be a finite number >= 0, got "
                              f"{self.migration_timeout_s}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.kv_timeout_s < 0:
             raise ValueError(f"kv_timeout_s must be >= 0, got {self.kv_timeout_s}")
         if self.prefill_threshold < 1:
@@ -108,7 +115,7 @@ class RequestHandle:
         self.num_deltas = 0  # deltas handed to the consumer
         self.created_s = time.monotonic()
         self.output_token_ids: list[int] = []  # tokens handed to the consumer
-        self.is_retried = False
+        self.num_migrations = 0  # times it moved to another decode worker
         self.remote: RemotePrefill | None = None
         self.queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
         self.finished = False

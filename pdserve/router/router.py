@@ -5,8 +5,10 @@ Its parts live apart, each testable without a socket: the worker registry with l
 (:mod:`~pdserve.router.registry`), the routing policy (:mod:`~pdserve.router.policy`), the
 remote-prefill state machine (:mod:`~pdserve.router.remote_prefill`) and the messages that
 drive it (:mod:`~pdserve.router.handshake`), the per-request handle
-(:mod:`~pdserve.router.requests`) and the socket (:mod:`~pdserve.router.worker_socket`).
-This module checks each received message and dispatches it through one table by type.
+(:mod:`~pdserve.router.requests`), the socket (:mod:`~pdserve.router.worker_socket`), its
+receiving side that checks each message and dispatches it through one table by type
+(:mod:`~pdserve.router.inbox`), the closed-connection watch
+(:mod:`~pdserve.router.connections`) and the liveness loop (:mod:`~pdserve.router.liveness`).
 
 Runs inside the API server's asyncio loop. Public surface::
 
@@ -29,7 +31,6 @@ import logging
 import time
 from typing import Any, Callable
 
-from pdserve.memory import IdleTrimmer
 from pdserve.security import ClusterKeys
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (
@@ -46,6 +47,8 @@ from pdserve.messages import (
     StepOutputs,
 )
 from pdserve.router.handshake import RemotePrefillHandshake
+from pdserve.router.inbox import Inbox
+from pdserve.router.liveness import LivenessLoop
 from pdserve.router.policy import (
     FALLBACK,
     POLICIES,
@@ -95,9 +98,11 @@ class Router:
             ``routing.prefill_threshold``).
 
     Hostile input is dropped and counted (:mod:`~pdserve.router.worker_socket`; frames
-    over :data:`MAX_CONTROL_MESSAGE_BYTES` never buffer). A failed receive or liveness loop
-    is logged, counted (``pdserve:router_loop_restarts_total``) and restarted;
-    :attr:`is_healthy` is False while one is down.
+    over :data:`MAX_CONTROL_MESSAGE_BYTES` never buffer). A worker is dropped when its
+    connection closes (:mod:`~pdserve.router.connections`) or it stays silent too long
+    (:mod:`~pdserve.router.liveness`). A failed receive, connections or liveness loop is
+    logged, counted (``pdserve:router_loop_restarts_total``) and restarted; :attr:`is_healthy`
+    is False while one is down.
     """
 
     def __init__(self, address: str, routing: RoutingConfig | None = None, metrics=None,
@@ -116,6 +121,8 @@ class Router:
         self.address = self.socket.address
         self.handshake = RemotePrefillHandshake(self)
         self.recovery = RequestRecovery(self)
+        self.inbox = Inbox(self)
+        self.liveness = LivenessLoop(self)
         self.handles: dict[str, RequestHandle] = {}
         #: decode worker id -> prompt prefixes it is believed to hold in its prefix cache
         self.prefix_indexes: dict[str, PrefixIndex] = {}
@@ -124,7 +131,7 @@ class Router:
         #: loops currently down (between a failure and their restart)
         self._loops_down: set[str] = set()
         #: message type -> handler ``(msg, sender worker id)``: the whole dispatch
-        self._handlers: dict[type, Callable[[Any, str], None]] = {
+        self.handlers: dict[type, Callable[[Any, str], None]] = {
             StepOutputs: self._on_step_outputs,
             Heartbeat: self._on_heartbeat,
             RegisterWorker: self._on_register,
@@ -134,9 +141,12 @@ class Router:
         }
 
     async def start(self) -> None:
-        """Start the receive and liveness loops (supervised) in the running event loop."""
-        self._tasks = [asyncio.create_task(self._supervise("receive", self._recv_loop)),
-                       asyncio.create_task(self._supervise("liveness", self._liveness_loop))]
+        """Start the receive, connections and liveness loops (supervised) in the running
+        event loop."""
+        self._tasks = [asyncio.create_task(self._supervise(name, loop)) for name, loop in (
+            ("receive", self.inbox.receive_loop),
+            ("connections", self.inbox.connections_loop),
+            ("liveness", self.liveness.run))]
 
     @property
     def is_healthy(self) -> bool:
@@ -359,42 +369,7 @@ class Router:
         """Queue ``msg`` for a worker without waiting (:meth:`WorkerSocket.send`)."""
         self.socket.send(worker_id, msg)
 
-    async def _recv_loop(self) -> None:
-        """Receive, check and dispatch messages for ever."""
-        while True:
-            frames = await self.socket.receive()
-            self._on_frames(frames)
-
-    def _on_frames(self, frames: list[bytes]) -> None:
-        """Check one received message and dispatch it by type (never raises)."""
-        checked = self.socket.check(frames, self.registry.workers.__contains__,
-                                    self._serves, self._handlers)
-        if checked is None:
-            return
-        worker_id, msg = checked
-        self.registry.touch(worker_id)  # any message is a sign of life
-        try:
-            self._handlers[type(msg)](msg, worker_id)
-        except Exception:  # a bad message must not stop the router
-            logger.exception("failed to handle %s", type(msg).__name__)
-
-    def _serves(self, worker_id: str, request_id: str) -> bool:
-        """Whether ``worker_id`` may report on ``request_id`` (unknown ids pass: the
-        handlers ignore requests that already ended)."""
-        handle = self.handles.get(request_id)
-        if handle is None:
-            return True
-        remote = handle.remote
-        return worker_id == handle.worker_id or (
-            remote is not None and worker_id == remote.prefill_worker_id)
-
-    async def _liveness_loop(self) -> None:
-        """Every quarter heartbeat: check deadlines, return idle memory, drop dead workers."""
-        trimmer = IdleTrimmer()
-        while True:
-            await asyncio.sleep(self.registry.heartbeat_interval_s / 4)
-            self.recovery.check_deadlines()
-            trimmer.tick(bool(self.handles), time.monotonic())
-            for worker in self.registry.remove_dead():
-                self.recovery.on_worker_lost(worker)
-
+    def drain(self, max_messages: int) -> int:
+        """Handle the messages already queued, up to ``max_messages`` (:meth:`Inbox.drain`);
+        returns how many were handled."""
+        return self.inbox.drain(max_messages)

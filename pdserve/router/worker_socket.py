@@ -7,6 +7,12 @@ worker message, one claiming another worker's id, one from a worker that never r
 one about a request another worker serves, or one of a type the router does not take is
 dropped and counted (``pdserve:dropped_messages_total{reason}``); frames over
 :data:`MAX_CONTROL_MESSAGE_BYTES` make libzmq drop the peer before buffering them.
+
+Receiving never waits inside a read: the router awaits readability, then takes what is
+queued with non-blocking reads (:meth:`WorkerSocket.receive_nowait`), each handled before
+the next is read, so messages are handled in order whoever drains the socket (the receive
+loop, or the liveness loop before it judges anyone dead). Each message comes with the fd of
+its connection, for :class:`~pdserve.router.connections.ConnectionWatch`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.messages import Heartbeat, MessageCodec, RegisterWorker
+from pdserve.router.connections import ConnectionWatch
 from pdserve.security import ClusterKeys, PeerGate, secure_server
 
 logger = logging.getLogger(__name__)
@@ -64,8 +71,11 @@ class WorkerSocket:
                                  lambda _addr, reason: count("refused_connections", reason))
             secure_server(self.sock, cluster_keys)
         self.address = self._bind(address)
-        if self.gate is not None:
-            self.gate.watch(self.sock)
+        #: connection events; it also counts failed CURVE handshakes, which the gate's own
+        #: monitor would (a socket has one monitor)
+        self.connections = ConnectionWatch(self.sock, self._on_handshake_failed)
+        #: synchronous view of the socket: reads that never wait and never yield
+        self._reader = zmq.Socket.shadow(self.sock.underlying)
 
     def _bind(self, address: str) -> str:
         if address.startswith("tcp://") and address.endswith(":0"):
@@ -87,9 +97,32 @@ class WorkerSocket:
         if isinstance(sent, asyncio.Future):  # zmq.asyncio reports errors on the future
             sent.add_done_callback(lambda fut: _log_send_failure(fut, worker_id))
 
-    async def receive(self) -> list[bytes]:
-        """The next message's frames, as received (unchecked)."""
-        return await self.sock.recv_multipart(copy=True)
+    async def wait_message(self) -> None:
+        """Return once a message is queued (it may be taken by another reader first)."""
+        await self.sock.poll(flags=zmq.POLLIN)
+
+    def receive_nowait(self) -> tuple[list[bytes], int | None] | None:
+        """The next queued message's frames (unchecked) and the fd of the connection it
+        came on; None when nothing is queued. Never waits."""
+        try:
+            frames = self._reader.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        try:
+            fd = frames[-1].get(zmq.SRCFD)
+        except zmq.ZMQError:
+            fd = None
+        return [frame.bytes for frame in frames], fd
+
+    def _on_handshake_failed(self, endpoint: str) -> None:
+        """A peer failed the CURVE handshake: count it; log the first on each endpoint."""
+        self.count("refused_connections", "handshake_failed")
+        key = ("handshake_failed", endpoint)
+        if key not in self._dropped_logged and len(self._dropped_logged) < MAX_DROP_LOG_KEYS:
+            self._dropped_logged.add(key)
+            logger.warning("a peer failed the CURVE handshake on %s (no cluster secret, a "
+                           "different one, or plain zmq); further failures there are only "
+                           "counted", endpoint)
 
     def check(self, frames: list[bytes], is_registered: Callable[[str], bool],
               serves: Callable[[str, str], bool],
@@ -140,9 +173,11 @@ class WorkerSocket:
                            "only counted", sender, reason, detail)
 
     def close(self) -> None:
-        """Stop the authentication gate and close the socket and its context."""
+        """Stop the authentication gate and the connection watch, and close the socket and
+        its context."""
         if self.gate is not None:
             self.gate.stop()
+        self.connections.close()
         self.sock.close(0)
         self.ctx.term()
 

