@@ -22,15 +22,13 @@ from pdserve.cpu_affinity import (
     format_cpu_list,
     plan_worker_cpus,
 )
+from pdserve.child_processes import spawn_worker, stop_processes
 from pdserve.supervisor import RestartPolicy, SupervisedWorker, WorkerSupervisor
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a child worker gets to exit after SIGTERM before SIGKILL.
-WORKER_STOP_GRACE_S = 10.0
 #: Seconds ``serve`` waits for its worker to load the model and register.
 WORKER_READY_TIMEOUT_S = 600.0
-_PR_SET_PDEATHSIG = 1
 
 
 def served_model_name(model: str | None, path: Path) -> str:
@@ -41,15 +39,6 @@ def served_model_name(model: str | None, path: Path) -> str:
     if model in (None, "default", DEFAULT_MODEL):
         return DEFAULT_MODEL
     return path.stem if path.suffix == ".gguf" else path.name
-
-
-def _die_with_parent() -> None:
-    """Linux: ask the kernel to SIGTERM this child when its parent dies (no orphans)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def _exit_on_sigterm(signum: int, frame) -> None:  # noqa: ARG001
@@ -82,40 +71,6 @@ def cluster_keys_from_args(args: argparse.Namespace, *, ephemeral: bool = False)
     return keys if keys is not None else ClusterKeys.generate()
 
 
-def spawn_worker(kind: str, model: str | None, router_address: str,
-                 engine_argv: list[str], worker_id: str,
-                 cluster_keys=None) -> subprocess.Popen:
-    """Start ``pdserve <kind>`` as a child process that dies with us, logging at this
-    process's level (``pdserve --log-level``). The cluster secret travels in the child's
-    environment (never on its command line); without keys the child runs
-    ``--insecure-no-auth``."""
-    from pdserve.security import SECRET_ENV, SECRET_FILE_ENV
-
-    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
-    auth_argv = ["--insecure-no-auth"]
-    if cluster_keys is not None:
-        env.update(cluster_keys.child_env())
-        auth_argv = []
-    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", level, kind,
-           *([model] if model else []), "--router", router_address, "--worker-id", worker_id,
-           *engine_argv, *auth_argv]
-    return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)
-
-
-def stop_processes(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM, wait up to the grace period, then SIGKILL what is left."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=WORKER_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def build_server_state(args: argparse.Namespace, router_address: str, cluster_keys=None):
     """Resolve the model, load its tokenizer, create router + metrics."""
     from pdserve.engine.config import ModelArchConfig
@@ -131,6 +86,7 @@ def build_server_state(args: argparse.Namespace, router_address: str, cluster_ke
     metrics = ServerMetrics(name)
     routing = RoutingConfig(prefill_threshold=args.prefill_threshold, policy=args.routing,
                             migration_timeout_s=args.migration_timeout,
+                            max_migrations=args.max_migrations,
                             kv_failure_policy=args.kv_failure_policy,
                             reserve_timeout_s=args.kv_transfer_timeout,
                             first_token_timeout_s=args.first_token_timeout,
@@ -224,9 +180,10 @@ async def _wait_for_workers(state, server, task: asyncio.Task,
 
 
 async def _serve_http(state, host: str, port: int, supervisor: WorkerSupervisor | None,
-                      grace_s: float = 30.0) -> int:
-    """Serve until stopped; with a ``supervisor`` (``serve``), first wait for its workers to
-    register, then let it restart those that exit while serving."""
+                      grace_s: float = 30.0, sock: socket.socket | None = None) -> int:
+    """Serve until stopped (on ``sock`` when given: a port shared by several API servers);
+    with a ``supervisor`` (``serve``), first wait for its workers to register, then let it
+    restart those that exit while serving."""
     import uvicorn
 
     from pdserve.server.app import build_app
@@ -234,9 +191,9 @@ async def _serve_http(state, host: str, port: int, supervisor: WorkerSupervisor 
     app = build_app(state)
     server = draining_server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                             timeout_graceful_shutdown=5), state, grace_s)
-    task = asyncio.create_task(server.serve())
-    if supervisor is not None and not await _wait_for_workers(state, server, task,
-                                                              supervisor.processes):
+    task = asyncio.create_task(server.serve(sockets=None if sock is None else [sock]))
+    if supervisor is not None and not await _wait_for_workers(
+            state, server, task, [w.proc for w in supervisor.workers if w.role != "api"]):
         return 1
     print(f"pdserve: serving {state.model_name} at http://{host}:{port}/v1", flush=True)
     watcher = asyncio.create_task(supervisor.run()) if supervisor is not None else None
@@ -254,10 +211,13 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raises ValueError when ``host:port`` cannot be bound (checked before any loading)."""
+def check_port_free(host: str, port: int, reuse_port: bool = False) -> None:
+    """Raises ValueError when ``host:port`` cannot be bound (checked before any loading;
+    ``reuse_port``: bound with ``SO_REUSEPORT``, as API servers sharing the port do)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
@@ -291,33 +251,46 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str],
               restart_policy: RestartPolicy | None = None) -> int:
     """``pdserve serve``: API server + router here; prefill and decode workers as child
     processes (``--num-prefill``/``--num-decode``; ``--colocated``: one decode worker),
-    restarted under ``restart_policy`` (default: :class:`RestartPolicy`'s) when they exit."""
+    restarted under ``restart_policy`` (default: :class:`RestartPolicy`'s) when they exit;
+    with ``--api-servers N``, N - 1 more API servers on the same port
+    (:mod:`pdserve.front_doors`)."""
+    from pdserve.front_doors import reuse_port_socket, start_api_servers
+
     check_port_free(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     router_address = args.router_address or f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
     keys = cluster_keys_from_args(args, ephemeral=True)
     state = build_server_state(args, router_address, keys)
-    slots = _start_workers(args, engine_argv, state.router.address, keys)
+    sock, routers, slots = None, [state.router.address], []
+    if args.api_servers > 1:
+        sock = reuse_port_socket(args.host, args.port)
+        extra, slots = start_api_servers(args, keys)
+        routers += extra
+    slots = _start_workers(args, engine_argv, ",".join(routers), keys) + slots
     supervisor = WorkerSupervisor(slots, restart_policy or RestartPolicy(),
                                   is_stopping=lambda: state.draining,
                                   on_restart=state.metrics.observe_worker_restart,
                                   on_exit=state.router.recovery.on_worker_exit)
     try:
         return asyncio.run(_serve_http(state, args.host, args.port, supervisor,
-                                       args.shutdown_grace_period))
+                                       args.shutdown_grace_period, sock))
     finally:
         stop_processes(supervisor.processes)
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """``pdserve server``: API server + router only; workers connect to ``--router-address``."""
-    check_port_free(args.host, args.port)
+    """``pdserve server``: API server + router only; workers connect to ``--router-address``
+    (``--reuse-port``: share the HTTP port with other API servers)."""
+    from pdserve.front_doors import reuse_port_socket
+
+    check_port_free(args.host, args.port, args.reuse_port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     keys = cluster_keys_from_args(args)
     state = build_server_state(args, args.router_address or "tcp://0.0.0.0:5557", keys)
+    sock = reuse_port_socket(args.host, args.port) if args.reuse_port else None
     print(f"pdserve: router listening at {state.router.address}", flush=True)
     return asyncio.run(_serve_http(state, args.host, args.port, None,
-                                   args.shutdown_grace_period))
+                                   args.shutdown_grace_period, sock))
 
 
 def _run_worker(args: argparse.Namespace, make_worker) -> int:
@@ -366,8 +339,10 @@ def run_decode_worker(args: argparse.Namespace) -> int:
     """``pdserve decode-worker``: load the engine, register with the router, serve."""
     from pdserve.decode_worker.worker import DecodeWorker
     from pdserve.kvtransfer.addressing import kv_listen_address
+    from pdserve.worker_links import parse_router_addresses
 
-    listen = kv_listen_address(args.kv_host, args.kv_port, args.router)
+    listen = kv_listen_address(args.kv_host, args.kv_port,
+                               parse_router_addresses(args.router)[0])
     return _run_worker(args, lambda engine, worker_id, name, keys: DecodeWorker(
         engine, args.router, worker_id, name, kv_transport=args.kv_transport,
         kv_transfer_timeout_s=args.kv_transfer_timeout, kv_address=listen.bind,

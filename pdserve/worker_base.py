@@ -13,19 +13,23 @@ import zmq
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.memory import IdleTrimmer
-from pdserve.security import ClusterKeys, secure_client
-from pdserve.worker_metrics import KVTransferTotals
 from pdserve.messages import (
     AbortRequests,
+    ExpectRemoteKV,
+    GenerateRequest,
     Heartbeat,
     KVCacheEvents,
     MessageCodec,
+    PrefillRequest,
     RegisterAck,
     RegisterWorker,
     RequestFailed,
     ReregisterRequest,
     ShutdownWorker,
 )
+from pdserve.security import ClusterKeys
+from pdserve.worker_links import RouterLink, RouterLinks, open_dealer
+from pdserve.worker_metrics import KVTransferTotals
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +37,8 @@ logger = logging.getLogger(__name__)
 REGISTER_RETRY_S = 1.0
 #: Longest idle wait on the sockets, so periodic checks (deadlines) still run.
 IDLE_POLL_S = 0.05
-#: A send to the router that cannot be queued within this long is dropped (milliseconds):
-#: a worker that cannot reach the router, or fails its handshake, must still see SIGTERM.
-SEND_TIMEOUT_MS = 1000
+#: Messages that start a request here: its later messages go back to the router that sent it.
+REQUEST_STARTS = (GenerateRequest, ExpectRemoteKV, PrefillRequest)
 #: Say so when the router has not acknowledged the registration after this long (s).
 REGISTER_WARN_S = 10.0
 #: Default seconds a worker told to stop (SIGTERM) keeps serving its running requests.
@@ -50,7 +53,9 @@ class EngineWorker:
 
     Args:
         engine: the loaded engine.
-        router_address: zmq address of the router's ROUTER socket.
+        router_address: zmq address of the router's ROUTER socket, or several,
+            comma-separated (one per API server; DNS names that resolve to several
+            addresses count as several: :mod:`pdserve.worker_links`).
         worker_id: unique name; the zmq identity.
         model_name: served model name reported to the router.
         heartbeat_interval_s: load report period.
@@ -74,25 +79,20 @@ class EngineWorker:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.codec = MessageCodec()
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        secure_client(self.sock, cluster_keys)
-        self.sock.connect(router_address)
-        self.send_lock = threading.Lock()
-        self.is_registered = False
+        self.links = RouterLinks(self.ctx, router_address, worker_id, cluster_keys)
         self.should_stop = False
         #: set by the first SIGTERM/SIGINT: finish running requests, take nothing new
         self.draining = False
         self.drain_s = DEFAULT_DRAIN_S
         self.num_requests_served = 0
-        # run()'s clocks (time.monotonic()): its start, the last registration sent, the end
-        # of a drain
+        # run()'s clocks (time.monotonic()): its start and the end of a drain
         self._run_started_s = 0.0
-        self._last_register_s = 0.0
         self._drain_until_s = 0.0
         self._is_unregistered_warned = False
+        # _receive_messages' poller over the links' sockets, rebuilt when the links change
+        self._poller = zmq.Poller()
+        self._polled: dict[zmq.Socket, tuple[RouterLink, bool]] = {}
+        self._poller_version = -1
 
     # -- overridable -----------------------------------------------------------------------
     def registration_extras(self) -> dict:
@@ -119,22 +119,24 @@ class EngineWorker:
         return self.engine.has_unfinished_requests
 
     # -- plumbing --------------------------------------------------------------------------
-    def send(self, msg) -> None:
-        """Send to the router (thread-safe: worker threads may report too)."""
-        with self.send_lock:
-            try:
-                self.sock.send(self.codec.encode(msg), copy=False)
-            except zmq.Again:  # no connection to the router: liveness sorts it out
-                logger.warning("could not send %s to the router at %s within %d ms",
-                               type(msg).__name__, self.router_address, SEND_TIMEOUT_MS)
+    @property
+    def is_registered(self) -> bool:
+        """Whether at least one router has acknowledged this worker."""
+        return self.links.is_registered
 
-    def _register(self) -> None:
-        self.send(RegisterWorker(
+    def send(self, msg) -> None:
+        """Send to the router(s) ``msg`` concerns (:meth:`RouterLinks.send`; thread-safe:
+        worker threads may report too)."""
+        self.links.send(msg)
+
+    def _register(self, link: RouterLink) -> None:
+        """Send our registration to one router without waiting (not connected: retried)."""
+        self.links.send_on(link, RegisterWorker(
             worker_id=self.worker_id, role=self.role, model_name=self.model_name,
             max_model_len=self.engine.max_model_len, block_size=self.engine.config.block_size,
             num_kv_blocks=self.engine.block_manager.num_blocks, pid=os.getpid(),
             **self.registration_extras(),
-        ))
+        ), block=False)
 
     def load(self) -> Heartbeat:
         """A snapshot of the engine's load (plain counters, safe to read from a thread)."""
@@ -157,29 +159,37 @@ class EngineWorker:
         )
 
     def _heartbeat_loop(self) -> None:
-        """Thread: report load every ``heartbeat_interval_s`` on a socket of its own, so a
-        long engine step never makes the worker look dead."""
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        secure_client(sock, self.cluster_keys)
-        sock.connect(self.router_address)
+        """Thread: report load every ``heartbeat_interval_s`` to every router that
+        registered us, on sockets of its own, so a long engine step never makes the worker
+        look dead."""
+        socks: dict[str, zmq.Socket] = {}
         codec = MessageCodec()
         try:
             while not self.should_stop:
-                if self.is_registered:
+                links = [link for link in list(self.links.links) if link.is_registered]
+                for address in set(socks) - {link.address for link in self.links.links}:
+                    socks.pop(address).close(0)  # a router no longer listed
+                if links:
+                    data = codec.encode(self.load())
+                for link in links:
+                    sock = socks.get(link.address)
+                    if sock is None:
+                        sock = socks[link.address] = open_dealer(
+                            self.ctx, link.address, f"{self.worker_id}/heartbeat",
+                            self.cluster_keys)
                     try:
-                        sock.send(codec.encode(self.load()))
+                        sock.send(data, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         pass  # the router is unreachable; it will drop us, we re-register
-                time.sleep(self.heartbeat_interval_s)
+                time.sleep(self.links.heartbeat_interval_s)
         except zmq.ZMQError:  # the context is closing: the worker is stopping
             pass
         finally:
-            sock.close(0)
+            for sock in socks.values():
+                sock.close(0)
 
-    def _handle_raw(self, data: bytes) -> None:
+    def _handle_raw(self, data: bytes, link: RouterLink) -> None:
+        """Decode and act on one message from ``link``'s router (never raises)."""
         try:
             msg = self.codec.decode_to_worker(data)
         except Exception as exc:  # malformed bytes must not kill the worker
@@ -189,15 +199,18 @@ class EngineWorker:
             for rid in msg.request_ids:
                 self.abort(rid)
         elif isinstance(msg, RegisterAck):
-            self.is_registered = True
-            self.heartbeat_interval_s = msg.heartbeat_interval_s
+            link.is_registered = True
+            link.heartbeat_interval_s = msg.heartbeat_interval_s
+            self.heartbeat_interval_s = self.links.heartbeat_interval_s
             if self.reports_cache_events:  # a router that knows nothing of our cache yet
                 self.engine.block_manager.request_cache_snapshot()
         elif isinstance(msg, ReregisterRequest):
-            self.is_registered = False
+            link.is_registered = False
         elif isinstance(msg, ShutdownWorker):
-            self.should_stop = True
+            self._on_shutdown(link)
         else:
+            if isinstance(msg, REQUEST_STARTS):
+                self.links.claim(msg.request_id, link)
             try:
                 self.handle(msg)
             except Exception:  # one bad message must not take the worker down
@@ -208,8 +221,19 @@ class EngineWorker:
                     self.send(RequestFailed(request_id, "the worker could not take this "
                                                         "request", is_client_error=False))
 
+    def _on_shutdown(self, link: RouterLink) -> None:
+        """A router told us to exit: we do when it is our only router; with several, only
+        that one is leaving, and we stop reporting to it until it registers us again."""
+        if len(self.links.links) <= 1:
+            self.should_stop = True
+            return
+        logger.info("router %s is shutting down; serving the others", link.address)
+        link.is_registered = False
+        link.last_register_s = float("inf")  # until the connection drops and comes back
+
     def abort(self, request_id: str) -> None:
         """Drop ``request_id`` from the engine (the router asked, or handling it failed)."""
+        self.links.release(request_id)
         self.engine.abort_request(request_id)
 
     def _step(self) -> None:
@@ -232,22 +256,22 @@ class EngineWorker:
         """
         signal.signal(signal.SIGTERM, self._on_stop_signal)
         signal.signal(signal.SIGINT, self._on_stop_signal)
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeats.start()
-        self._last_register_s = 0.0
         self._run_started_s = time.monotonic()
         announced = False
         trimmer = IdleTrimmer()
         while not self.should_stop:
-            if self.draining and not announced:  # the router routes nothing new here
+            if self.draining and not announced:  # the routers route nothing new here
                 self.send(self.load())
                 announced = True
             now = time.monotonic()
-            if not self.is_registered and now - self._last_register_s >= REGISTER_RETRY_S:
-                self._retry_registration(now)
-            self._receive_messages(poller)
+            for rid in self.links.sync():  # routers that joined or left (DNS)
+                self.abort(rid)
+            for link in self.links.links:
+                if not link.is_registered and now - link.last_register_s >= REGISTER_RETRY_S:
+                    self._retry_registration(link, now)
+            self._receive_messages()
             self.poll_extra()
             if self.engine.has_unfinished_requests:
                 self._step()
@@ -270,26 +294,41 @@ class EngineWorker:
                     "%.0f s)", self.role, self.worker_id,
                     len(self.engine.requests), self.drain_s)
 
-    def _retry_registration(self, now: float) -> None:
-        """Send the registration again; once, after :data:`REGISTER_WARN_S` without an
-        answer, say what usually keeps the router from answering."""
-        self._register()
-        self._last_register_s = now
+    def _retry_registration(self, link: RouterLink, now: float) -> None:
+        """Send the registration to ``link``'s router again; once, after
+        :data:`REGISTER_WARN_S` without any router's answer, say what usually keeps a
+        router from answering."""
+        self._register(link)
+        link.last_register_s = now
         waited_s = now - self._run_started_s
-        if not self._is_unregistered_warned and waited_s > REGISTER_WARN_S:
+        if (not self._is_unregistered_warned and not self.is_registered
+                and waited_s > REGISTER_WARN_S):
             self._is_unregistered_warned = True
             logger.warning(
                 "%s worker %s: the router at %s has not answered in %.0f s; is it "
                 "running and reachable, and do both sides use the same cluster "
                 "secret (or both --insecure-no-auth)?", self.role, self.worker_id,
-                self.router_address, waited_s)
+                self.links.addresses(), waited_s)
 
-    def _receive_messages(self, poller: zmq.Poller) -> None:
-        """Handle every message waiting on the router socket; when the engine is idle, wait
-        up to :data:`IDLE_POLL_S` for the first one."""
+    def _receive_messages(self) -> None:
+        """Handle every message and connection event waiting on the routers' sockets; when
+        the engine is idle, wait up to :data:`IDLE_POLL_S` for the first one."""
+        if self._poller_version != self.links.version:
+            self._poller = zmq.Poller()
+            self._polled = {}
+            for sock, link, is_monitor in self.links.poll_sockets():
+                self._poller.register(sock, zmq.POLLIN)
+                self._polled[sock] = (link, is_monitor)
+            self._poller_version = self.links.version
         timeout_ms = 0 if self.engine.has_unfinished_requests else int(IDLE_POLL_S * 1000)
-        while poller.poll(timeout_ms):
-            self._handle_raw(self.sock.recv())
+        while ready := self._poller.poll(timeout_ms):
+            for sock, _ in ready:
+                link, is_monitor = self._polled[sock]
+                if is_monitor:
+                    for rid in self.links.on_monitor_event(link):
+                        self.abort(rid)
+                else:
+                    self._handle_raw(sock.recv(), link)
             timeout_ms = 0
 
     def _is_drain_over(self) -> bool:
@@ -311,7 +350,7 @@ class EngineWorker:
         self.should_stop = True  # ends the heartbeat thread (a drain leaves the loop early)
         self.close()
         heartbeats.join(timeout=2 * self.heartbeat_interval_s)
-        self.sock.close(0)
+        self.links.close()
         self.ctx.term()
 
     def _send_cache_events(self) -> None:

@@ -17,6 +17,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     restart_policy_from_args(args)
     if args.num_prefill < 0 or args.num_decode < 1:
         raise ValueError("--num-prefill must be >= 0 and --num-decode >= 1")
+    if not 1 <= args.api_servers <= 64:
+        raise ValueError(f"--api-servers must be in 1..64, got {args.api_servers}")
     argv = engine_args_to_argv(args)
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
@@ -105,6 +107,10 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request whose decode worker died waits for another one "
                         "(e.g. the restarted one) before it fails; 0: fail at once when no "
                         "decode worker is left")
+    g.add_argument("--max-migrations", type=int, default=10, metavar="N",
+                   help="times one request may move to another decode worker after the one "
+                        "running it died; past it the request fails (a request that crashes "
+                        "every worker it lands on must not take them all down)")
 
 
 def _add_supervision_args(p: argparse.ArgumentParser) -> None:
@@ -196,6 +202,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_http_args(p)
     p.add_argument("--num-prefill", type=int, default=1, help="prefill worker processes")
     p.add_argument("--num-decode", type=int, default=1, help="decode worker processes")
+    p.add_argument("--api-servers", type=int, default=1, metavar="N",
+                   help="API server processes, each with its own router, sharing --port "
+                        "(SO_REUSEPORT) and the workers (each registers with every router)")
     p.add_argument("--colocated", action="store_true",
                    help="one decode worker that prefills everything itself")
     p.add_argument("--decode-cpus", type=_cpu_list, default=None,
@@ -222,6 +231,9 @@ def add_server_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-transfer-timeout", type=float, default=10.0,
                    help="seconds a request may wait for a decode worker to reserve KV")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind --port with SO_REUSEPORT, so several API servers on this "
+                        "host share it (the kernel spreads connections over them)")
     add_routing_args(p)
     _add_auth_args(p)
     p.set_defaults(func=_cmd_server)
@@ -238,7 +250,10 @@ def add_worker_parsers(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(kind, help=f"a {role} worker that registers with a router")
         _add_model_arg(p)
         p.add_argument("--router", required=True,
-                       help="router address, e.g. tcp://127.0.0.1:5557")
+                       help="router address, e.g. tcp://127.0.0.1:5557, or several, "
+                            "comma-separated, to serve several API servers; a host name "
+                            "that resolves to several addresses (a headless Service) "
+                            "counts as one router at each")
         p.add_argument("--worker-id", default=None, help="unique worker name (default: "
                        "role-host-pid)")
         p.add_argument("--metrics-port", type=int, default=0,
