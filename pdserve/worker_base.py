@@ -231,6 +231,15 @@ class EngineWorker:
         link.is_registered = False
         link.last_register_s = float("inf")  # until the connection drops and comes back
 
+    def _abort_orphans(self, request_ids: list[str]) -> None:
+        """Abort the requests of a router that is gone (no client waits on them)."""
+        live = [rid for rid in request_ids if rid in self.engine.requests]
+        if live:
+            logger.warning("%s worker %s: aborting %d requests of a router that is gone",
+                           self.role, self.worker_id, len(live))
+        for rid in request_ids:
+            self.abort(rid)
+
     def abort(self, request_id: str) -> None:
         """Drop ``request_id`` from the engine (the router asked, or handling it failed)."""
         self.links.release(request_id)
@@ -266,8 +275,7 @@ class EngineWorker:
                 self.send(self.load())
                 announced = True
             now = time.monotonic()
-            for rid in self.links.sync():  # routers that joined or left (DNS)
-                self.abort(rid)
+            self._abort_orphans(self.links.sync())  # routers that joined or left (DNS)
             for link in self.links.links:
                 if not link.is_registered and now - link.last_register_s >= REGISTER_RETRY_S:
                     self._retry_registration(link, now)
@@ -325,8 +333,7 @@ class EngineWorker:
             for sock, _ in ready:
                 link, is_monitor = self._polled[sock]
                 if is_monitor:
-                    for rid in self.links.on_monitor_event(link):
-                        self.abort(rid)
+                    self._abort_orphans(self.links.on_monitor_event(link))
                 else:
                     self._handle_raw(sock.recv(), link)
             timeout_ms = 0

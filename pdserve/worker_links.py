@@ -33,7 +33,6 @@ from pdserve.messages import (
     Heartbeat,
     KVCacheEvents,
     KVReserveRefused,
-    KVSent,
     MessageCodec,
     PrefillDone,
     RequestFailed,
@@ -48,8 +47,9 @@ RESOLVE_INTERVAL_S = 10.0
 #: A send to a connected router that cannot be queued within this long is dropped (ms).
 SEND_TIMEOUT_MS = 1000
 #: Request-owner entries kept at most (oldest forgotten first; a request whose entry is
-#: gone reports to the first router).
-MAX_OWNERS = 1 << 16
+#: gone reports to the first router). A prefill worker forgets its requests only this way:
+#: its first token and its KV-sent report may go in either order.
+MAX_OWNERS = 1 << 14
 #: Messages sent to every registered router rather than to a request's owner.
 BROADCAST = (Heartbeat, KVCacheEvents)
 
@@ -240,8 +240,7 @@ class RouterLinks:
             return []
         link.is_registered = False
         orphans = self._drop_owned(link)
-        logger.warning("lost the connection to router %s; dropping its %d requests",
-                       link.address, len(orphans))
+        logger.warning("lost the connection to router %s", link.address)
         return orphans
 
     def _drop_owned(self, link: RouterLink) -> list[str]:
@@ -316,10 +315,10 @@ class RouterLinks:
         request_id = msg.delta.request_id if isinstance(msg, PrefillDone) else getattr(
             msg, "request_id", None)
         link = self._owner(request_id)
-        if isinstance(msg, (KVSent, RequestFailed, KVReserveRefused)):
-            self.release(request_id)
         if link is not None:
             self.send_on(link, msg)
+        if isinstance(msg, (RequestFailed, KVReserveRefused)):
+            self.release(request_id)
 
     def _owner(self, request_id: str | None) -> RouterLink | None:
         with self.lock:

@@ -183,6 +183,19 @@ def test_k8s_clients_reach_only_ready_api_servers():
     assert [p["port"] for p in api["ports"]] == [8000]
 
 
+def test_k8s_runs_several_api_servers_and_workers_register_with_each():
+    """Several front doors: the API server Deployment has more than one replica, and the
+    Service the workers' --router names is headless, so its DNS name resolves to every
+    replica (pdserve.worker_links makes one router link per address)."""
+    docs = k8s_documents()
+    router = next(d for d in docs if d["kind"] == "Deployment"
+                  and d["metadata"]["name"] == "pdserve-router")
+    assert router["spec"]["replicas"] > 1
+    assert router["spec"]["strategy"]["type"] == "RollingUpdate"
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert services["pdserve-router"]["spec"]["clusterIP"] == "None"
+
+
 @pytest.mark.parametrize("name", ["pdserve-prefill", "pdserve-decode"])
 def test_k8s_workers_start_on_metrics_ready_when_registered_alive_on_metrics(name):
     container = k8s_containers()[name]

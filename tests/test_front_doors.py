@@ -103,13 +103,17 @@ def test_both_doors_serve_short_and_remote_prefill(cluster):
     assert len(results) == 8
     for j in range(4):
         assert results[0, j] == results[1, j]
+    num_remote = 0
     for door in doors:
         m = wait_idle(door, timeout_s=20)
-        assert m["pdserve:request_success_total{finished_reason=length}"] \
-            + m.get("pdserve:request_success_total{finished_reason=stop}", 0) == 4
-        assert m["pdserve:route_decisions_total{kind=remote_prefill}"] == 2
+        assert sum(v for k, v in m.items()
+                   if k.startswith("pdserve:request_success_total")) == 4
+        assert sum(v for k, v in m.items()
+                   if k.startswith("pdserve:route_decisions_total")) == 4
+        num_remote += m.get("pdserve:route_decisions_total{route=remote_prefill}", 0)
         assert not any(v for k, v in m.items() if k.startswith(
             ("pdserve:worker_kv_cache_usage_perc", "pdserve:worker_num_requests_running")))
+    assert num_remote >= 1  # a router may find the long prompt cached on D already
 
 
 def test_a_killed_door_leaves_the_other_serving_and_frees_its_requests(cluster):
@@ -159,13 +163,16 @@ def test_serve_api_servers_shares_one_port():
         apis = [pid for pid in child_pids(proc.pid)
                 if b"\0server\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(apis) == 1
-        client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        # a killed API server resets the connections it held or had queued: clients retry
+        # (the OpenAI SDK does by default)
+        client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=2)
         for prompt in ("Hi", LONG_PROMPT) * 3:  # fresh connections spread over both
             with httpx.Client() as http:
                 resp = http.post(f"{base}/v1/completions", json={
                     "model": MODEL, "prompt": prompt, "max_tokens": 4}, timeout=120)
                 assert resp.status_code == 200, resp.text
         os.kill(apis[0], signal.SIGKILL)
+        assert wait_exit(apis[0], 10)  # its listening socket leaves the port's group
         for _ in range(6):
             assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
         deadline = time.monotonic() + 60

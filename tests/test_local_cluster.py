@@ -13,10 +13,12 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from deploy_utils import scrape, total
 from pdserve.cluster import local
+from pdserve.engine.loader import DEFAULT_MODEL as MODEL
 from pdserve.cluster.netns import interface_bytes, list_namespaces, run_in_namespace
 from pdserve.engine.loader.default_model import find_default_gguf
 from server_utils import pid_alive
@@ -65,7 +67,7 @@ def cluster(tmp_path, monkeypatch):
     try:
         state = local.up(name, 2, 1, None, engine_argv,
                          ["--prefill-threshold", str(PREFILL_THRESHOLD), "--max-model-len",
-                          "1024"], timeout_s=400)
+                          "1024"], timeout_s=400, num_api=2)
         yield state
     finally:
         local.down(name)  # idempotent: the test tears down itself too
@@ -93,11 +95,17 @@ def test_local_cluster_serves_through_namespaces_and_tears_down_cleanly(cluster,
     urls = cluster.metrics_urls()
     m = run_in_namespace(cluster.api.namespace,
                          lambda: {ns: scrape(url) for ns, url in urls.items()})
-    assert set(m) == {h.namespace for h in cluster.hosts} and len(m) == 4
+    assert set(m) == {h.namespace for h in cluster.hosts} and len(m) == 5
     api = m[cluster.api.namespace]
     routes = {k: v for k, v in api.items() if k.startswith("pdserve:route_decisions_total")}
     assert sum(v for k, v in routes.items() if "route=remote_prefill" in k) == sum(is_long)
     assert sum(v for k, v in routes.items() if "route=local" in k) == NUM_REQUESTS - sum(is_long)
+    assert total(m[cluster.apis[1].namespace], "pdserve:worker_up") == 3  # registered with both
+    second = f"http://{cluster.apis[1].address}:{local.API_PORT}/v1/completions"
+    for prompt in ("Hello", " ".join(WORDS * 15)):  # short, and long (remote prefill)
+        resp = run_in_namespace(cluster.api.namespace, lambda p=prompt: httpx.post(
+            second, json={"model": MODEL, "prompt": p, "max_tokens": 4}, timeout=300))
+        assert resp.status_code == 200, resp.text
     workers = [h for h in cluster.hosts if h.role != "api"]
     for host in workers:
         assert total(m[host.namespace], "pdserve:worker_registered") == 1, host

@@ -17,14 +17,19 @@ def _cmd_local_cluster(args: argparse.Namespace) -> int:
         print(f"pdserve: cluster {args.name} down ({len(deleted)} namespaces removed)")
         return 0
     server_argv = ["--routing", args.routing, "--prefill-threshold", str(args.prefill_threshold),
-                   "--kv-failure-policy", args.kv_failure_policy]
+                   "--kv-failure-policy", args.kv_failure_policy,
+                   "--migration-timeout", str(args.migration_timeout),
+                   "--max-migrations", str(args.max_migrations)]
     if args.max_model_len:
         server_argv += ["--max-model-len", str(args.max_model_len)]
     engine_argv = engine_args_to_argv(args) + ["--kv-transport", args.kv_transport]
     state = local.up(args.name, args.num_prefill, args.num_decode, args.model, engine_argv,
-                     server_argv, timeout_s=args.ready_timeout, subnet=args.subnet)
+                     server_argv, timeout_s=args.ready_timeout, subnet=args.subnet,
+                     num_api=args.num_api)
+    others = "".join(f"\n  also http://{h.address}:{local.API_PORT}/v1 inside namespace "
+                     f"{h.namespace}" for h in state.apis[1:])
     print(f"pdserve: cluster {args.name} ready; API at {state.base_url}/v1 inside namespace "
-          f"{state.api.namespace}, e.g.\n  ip netns exec {state.api.namespace} curl -s "
+          f"{state.api.namespace}{others}, e.g.\n  ip netns exec {state.api.namespace} curl -s "
           f"{state.base_url}/v1/models\nlogs: {local.state_dir(args.name)}; stop with "
           f"`pdserve local-cluster --down --name {args.name}`")
     return 0
@@ -42,6 +47,8 @@ def add_local_cluster_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="pdc", help="cluster name: prefix of its namespaces")
     p.add_argument("--down", action="store_true", help="stop the cluster and remove its "
                    "namespaces")
+    p.add_argument("--num-api", type=int, default=1, help="API server namespaces, each with "
+                   "its own router; every worker registers with all of them")
     p.add_argument("--num-prefill", type=int, default=2, help="prefill namespaces")
     p.add_argument("--num-decode", type=int, default=1, help="decode namespaces")
     p.add_argument("--subnet", default="10.77.0", help="first three octets of the /24 used "

@@ -2,9 +2,13 @@
 role, so KV really crosses a network interface (see :mod:`pdserve.cluster.netns`).
 
     api     pdserve server          --host A --port 8000 --router-address tcp://A:5557
-    p0..    pdserve prefill-worker  --router tcp://A:5557 --metrics-host P --metrics-port 9100
-    d0..    pdserve decode-worker   --router tcp://A:5557 --kv-host auto (binds 0.0.0.0,
+    api1..  pdserve server          (more API servers with ``--num-api``, each its own router)
+    p0..    pdserve prefill-worker  --router tcp://A:5557[,tcp://A1:5557...] --metrics-host P
+                                    --metrics-port 9100
+    d0..    pdserve decode-worker   --router (the same list) --kv-host auto (binds 0.0.0.0,
                                     advertises its eth0 address) --metrics-port 9100
+
+Every worker registers with every API server's router (:mod:`pdserve.worker_links`).
 
 Processes run detached (own session), log to ``STATE_DIR/NAME/*.log`` and are listed in
 ``state.json`` there; ``--down`` stops them, kills anything still inside the namespaces and
@@ -65,14 +69,19 @@ class ClusterState:
         return self.hosts[0]
 
     @property
+    def apis(self) -> list[Host]:
+        """Every API server's namespace (``--num-api``), the first one first."""
+        return [h for h in self.hosts if h.role == "api"]
+
+    @property
     def base_url(self) -> str:
         """The API server's root URL, reachable from inside the namespaces."""
         return f"http://{self.api.address}:{API_PORT}"
 
     def metrics_urls(self) -> dict[str, str]:
         """namespace -> ``/metrics`` URL of the process in it."""
-        return {h.namespace: (f"{self.base_url}/metrics" if h.role == "api"
-                              else f"http://{h.address}:{METRICS_PORT}/metrics")
+        return {h.namespace: f"http://{h.address}:{API_PORT if h.role == 'api' else METRICS_PORT}"
+                             "/metrics"
                 for h in self.hosts}
 
     def save(self) -> None:
@@ -92,31 +101,33 @@ class ClusterState:
 
 
 def plan_hosts(name: str, num_prefill: int, num_decode: int,
-               subnet: str = DEFAULT_SUBNET) -> list[Host]:
-    """The api host first, then prefill and decode hosts, with their addresses.
+               subnet: str = DEFAULT_SUBNET, num_api: int = 1) -> list[Host]:
+    """The api hosts first, then prefill and decode hosts, with their addresses.
 
     Raises:
-        ValueError: counts out of range (1..9 decode, 0..9 prefill).
+        ValueError: counts out of range (1..9 api and decode, 0..9 prefill).
     """
-    if not 0 <= num_prefill <= 9 or not 1 <= num_decode <= 9:
-        raise ValueError("--num-prefill must be in 0..9 and --num-decode in 1..9")
-    hosts = [Host("api", f"{name}-api", f"{subnet}.10")]
+    if not 0 <= num_prefill <= 9 or not 1 <= num_decode <= 9 or not 1 <= num_api <= 9:
+        raise ValueError("--num-prefill must be in 0..9, --num-decode and --num-api in 1..9")
+    hosts = [Host("api", f"{name}-api" + (str(i) if i else ""), f"{subnet}.{10 + i}")
+             for i in range(num_api)]
     hosts += [Host("prefill", f"{name}-p{i}", f"{subnet}.{20 + i}") for i in range(num_prefill)]
     hosts += [Host("decode", f"{name}-d{i}", f"{subnet}.{30 + i}") for i in range(num_decode)]
     return hosts
 
 
-def role_command(host: Host, api: Host, model: str | None, engine_argv: list[str],
+def role_command(host: Host, apis: list[Host], model: str | None, engine_argv: list[str],
                  server_argv: list[str]) -> list[str]:
-    """The ``pdserve`` invocation of ``host`` (without the ``ip netns exec`` prefix)."""
+    """The ``pdserve`` invocation of ``host`` (without the ``ip netns exec`` prefix); a
+    worker registers with the router of every host in ``apis``."""
     base = [sys.executable, "-m", "pdserve.cli"]
     model_arg = [model] if model else []
-    router = f"tcp://{api.address}:{ROUTER_PORT}"
     if host.role == "api":
-        return [*base, "server", *model_arg, "--host", api.address, "--port", str(API_PORT),
-                "--router-address", router, *server_argv]
+        return [*base, "server", *model_arg, "--host", host.address, "--port", str(API_PORT),
+                "--router-address", f"tcp://{host.address}:{ROUTER_PORT}", *server_argv]
+    routers = ",".join(f"tcp://{api.address}:{ROUTER_PORT}" for api in apis)
     kind = "prefill-worker" if host.role == "prefill" else "decode-worker"
-    cmd = [*base, kind, *model_arg, "--router", router, "--worker-id", host.namespace,
+    cmd = [*base, kind, *model_arg, "--router", routers, "--worker-id", host.namespace,
            "--metrics-host", host.address, "--metrics-port", str(METRICS_PORT), *engine_argv]
     if host.role == "decode":
         cmd += ["--kv-host", "auto"]
@@ -145,25 +156,25 @@ def _start(state: ClusterState, host: Host, cmd: list[str]) -> None:
     state.save()
 
 
-def _num_workers_up(state: ClusterState) -> int:
-    text = httpx.get(f"{state.base_url}/metrics", timeout=5).text
+def _num_workers_up(api: Host) -> int:
+    text = httpx.get(f"http://{api.address}:{API_PORT}/metrics", timeout=5).text
     return sum(1 for line in text.splitlines()
                if line.startswith("pdserve:worker_up{") and line.endswith(" 1.0"))
 
 
 def wait_ready(state: ClusterState, timeout_s: float) -> None:
-    """Block until the API answers ``/health`` and every worker is registered and serves
+    """Block until every worker is registered with every API server and serves
     ``/metrics``.
 
     Raises:
         RuntimeError: a role process exited, or ``timeout_s`` passed.
     """
-    num_workers = len(state.hosts) - 1
+    num_workers = len(state.hosts) - len(state.apis)
     deadline = time.monotonic() + timeout_s
 
     def probe() -> bool:
         try:
-            if _num_workers_up(state) < num_workers:
+            if any(_num_workers_up(api) < num_workers for api in state.apis):
                 return False
             return all(httpx.get(url, timeout=5).status_code == 200
                        for url in state.metrics_urls().values())
@@ -182,7 +193,7 @@ def wait_ready(state: ClusterState, timeout_s: float) -> None:
 
 def up(name: str, num_prefill: int, num_decode: int, model: str | None,
        engine_argv: list[str], server_argv: list[str], timeout_s: float = 600.0,
-       subnet: str = DEFAULT_SUBNET) -> ClusterState:
+       subnet: str = DEFAULT_SUBNET, num_api: int = 1) -> ClusterState:
     """Create the namespaces, start every role, wait until ready.
 
     On any failure everything created so far is torn down before the error propagates.
@@ -191,7 +202,7 @@ def up(name: str, num_prefill: int, num_decode: int, model: str | None,
         ValueError: bad counts, or a cluster of that name already exists.
         RuntimeError: namespace setup failed or the cluster did not become ready.
     """
-    hosts = plan_hosts(name, num_prefill, num_decode, subnet)
+    hosts = plan_hosts(name, num_prefill, num_decode, subnet, num_api)
     taken = set(list_namespaces()) & {h.namespace for h in hosts}
     if taken:
         raise ValueError(f"namespaces {sorted(taken)} exist; run --down --name {name} first")
@@ -200,9 +211,8 @@ def up(name: str, num_prefill: int, num_decode: int, model: str | None,
     state.save()
     try:
         create_topology(name, hosts)
-        api = hosts[0]
         for host in hosts:
-            _start(state, host, role_command(host, api, model, engine_argv, server_argv))
+            _start(state, host, role_command(host, state.apis, model, engine_argv, server_argv))
         wait_ready(state, timeout_s)
     except BaseException:
         down(name)
