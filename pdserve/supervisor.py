@@ -90,7 +90,7 @@ class SupervisedWorker:
     """One worker slot: its current process and its restart history.
 
     Attributes:
-        role: "decode" or "prefill".
+        role: "decode", "prefill", or "api" (an extra API server of ``--api-servers``).
         base_id: the first process's worker id; restarts append ``-r<n>``.
         start: starts a process for this slot under the given worker id.
         proc: the current (or last) process.
@@ -117,6 +117,11 @@ class SupervisedWorker:
 
     def __post_init__(self) -> None:
         self.worker_id = self.worker_id or self.base_id
+
+    @property
+    def kind(self) -> str:
+        """What the slot runs, for log lines: "decode worker", "API server", ..."""
+        return "API server" if self.role == "api" else f"{self.role} worker"
 
     @property
     def is_running(self) -> bool:
@@ -173,7 +178,7 @@ class WorkerSupervisor:
                 if now_s >= w.restart_at_s:
                     self._restart(w, now_s)
             elif not w.has_given_up and not w.is_running:
-                self._on_exit(w, f"{w.role} worker {w.worker_id} (pid {w.proc.pid}) "
+                self._on_exit(w, f"{w.kind} {w.worker_id} (pid {w.proc.pid}) "
                                  f"{exit_description(w.proc.returncode)}", now_s)
 
     def _on_exit(self, w: SupervisedWorker, what: str, now_s: float) -> None:
@@ -211,13 +216,14 @@ class WorkerSupervisor:
             proc = w.start(worker_id)
         except OSError as exc:
             w.started_s = now_s
-            self._on_exit(w, f"{w.role} worker {w.base_id} could not be restarted as "
+            self._on_exit(w, f"{w.kind} {w.worker_id} could not be restarted as "
                              f"{worker_id} ({exc})", now_s)
             return
+        old_id = w.worker_id
         w.proc, w.worker_id, w.started_s = proc, worker_id, now_s
         w.num_restarts += 1
         self.on_restart(w.role)
-        _say(f"restarted {w.role} worker {w.base_id} as {worker_id} (pid {proc.pid})")
+        _say(f"restarted {w.kind} {old_id} as {worker_id} (pid {proc.pid})")
 
 
 def _say(message: str) -> None:

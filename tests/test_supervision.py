@@ -80,6 +80,10 @@ def test_a_killed_worker_is_restarted_after_its_backoff_under_a_new_id(sleepers,
     assert roles == ["decode"] and slot.is_running
     assert sleepers.ids == ["decode-1-0", "decode-1-0-r1"] and slot.worker_id == "decode-1-0-r1"
     assert "restarted decode worker decode-1-0 as decode-1-0-r1" in capsys.readouterr().err
+    kill(slot)  # the line names the process just killed, not the slot's first one
+    sup.check(now_s=200.0)
+    sup.check(now_s=300.0)
+    assert "restarted decode worker decode-1-0-r1 as decode-1-0-r2" in capsys.readouterr().err
 
 
 def test_quick_exits_double_the_delay_and_a_stable_run_resets_it(sleepers):
