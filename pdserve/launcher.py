@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -75,7 +76,7 @@ def build_server_state(args: argparse.Namespace, router_address: str, cluster_ke
     """Resolve the model, load its tokenizer, create router + metrics."""
     from pdserve.engine.config import ModelArchConfig
     from pdserve.engine.loader import load_checkpoint, load_tokenizer, resolve_model
-    from pdserve.router.router import Router, RoutingConfig
+    from pdserve.router.router import Router
     from pdserve.server.metrics import ServerMetrics
     from pdserve.server.state import ServerState
 
@@ -84,13 +85,7 @@ def build_server_state(args: argparse.Namespace, router_address: str, cluster_ke
     name = args.served_model_name or served_model_name(args.model, path)
     tokenizer = load_tokenizer(path)
     metrics = ServerMetrics(name)
-    routing = RoutingConfig(prefill_threshold=args.prefill_threshold, policy=args.routing,
-                            migration_timeout_s=args.migration_timeout,
-                            max_migrations=args.max_migrations,
-                            kv_failure_policy=args.kv_failure_policy,
-                            reserve_timeout_s=args.kv_transfer_timeout,
-                            first_token_timeout_s=args.first_token_timeout,
-                            max_waiting_per_worker=args.max_waiting_per_worker)
+    routing = routing_config_from_args(args)
     router = Router(router_address, routing, metrics, max_num_inflight=args.max_num_inflight,
                     cluster_keys=cluster_keys)
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
@@ -99,6 +94,40 @@ def build_server_state(args: argparse.Namespace, router_address: str, cluster_ke
         default_max_model_len=args.max_model_len or arch.max_position_embeddings,
         metrics=metrics, api_key=api_key, tool_parser=args.tool_call_parser,
     )
+
+
+#: RoutingConfig field -> the flag that sets it (for error messages)
+_ROUTING_FLAGS = {"prefill_threshold": "--prefill-threshold", "policy": "--routing",
+                  "migration_timeout_s": "--migration-timeout",
+                  "max_migrations": "--max-migrations",
+                  "kv_failure_policy": "--kv-failure-policy",
+                  "reserve_timeout_s": "--kv-transfer-timeout",
+                  "first_token_timeout_s": "--first-token-timeout",
+                  "max_waiting_per_worker": "--max-waiting-per-worker"}
+
+
+def routing_config_from_args(args: argparse.Namespace):
+    """The routing flags of ``serve``/``server`` as a
+    :class:`~pdserve.router.requests.RoutingConfig`.
+
+    Raises:
+        ValueError: naming the flag that is out of range.
+    """
+    from pdserve.router.requests import RoutingConfig
+
+    try:
+        return RoutingConfig(prefill_threshold=args.prefill_threshold, policy=args.routing,
+                             migration_timeout_s=args.migration_timeout,
+                             max_migrations=args.max_migrations,
+                             kv_failure_policy=args.kv_failure_policy,
+                             reserve_timeout_s=args.kv_transfer_timeout,
+                             first_token_timeout_s=args.first_token_timeout,
+                             max_waiting_per_worker=args.max_waiting_per_worker)
+    except ValueError as exc:  # name the flag, not the field
+        message = str(exc)
+        for name, flag in _ROUTING_FLAGS.items():
+            message = re.sub(rf"\b{name}\b", flag, message)
+        raise ValueError(message) from None
 
 
 def draining_server(config, state, grace_s: float):

@@ -164,6 +164,19 @@ def test_bad_supervision_flags_name_the_flag(argv, message, capsys):
     assert capsys.readouterr().err == f"pdserve: error: {message}\n"
 
 
+@pytest.mark.parametrize("command", ["serve", "server"])
+@pytest.mark.parametrize("argv, message", [
+    (["--migration-timeout", "nan"], "--migration-timeout must be a finite number >= 0, got nan"),
+    (["--max-migrations", "-1"], "--max-migrations must be >= 0, got -1"),
+    (["--max-waiting-per-worker", "0"], "--max-waiting-per-worker must be >= 1, got 0"),
+])
+def test_bad_routing_flags_name_the_flag(command, argv, message, capsys):
+    from pdserve.cli import main
+
+    assert main([command, "--port", "1", *argv]) == 2
+    assert capsys.readouterr().err == f"pdserve: error: {message}\n"
+
+
 def decode_worker_ids(server) -> set[str]:
     """Ids of the alive decode workers, from the server's /metrics."""
     return {key.split("worker_id=")[1].rstrip("}") for key, value in metrics(server).items()

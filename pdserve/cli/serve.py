@@ -13,8 +13,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.engine.entrypoints.arg_utils import engine_args_to_argv, engine_config_from_args
     from pdserve.launcher import run_serve
 
+    from pdserve.launcher import routing_config_from_args
+
     engine_config_from_args(args, args.model)  # validate here, before any process starts
     restart_policy_from_args(args)
+    routing_config_from_args(args)
     if args.num_prefill < 0 or args.num_decode < 1:
         raise ValueError("--num-prefill must be >= 0 and --num-decode >= 1")
     if not 1 <= args.api_servers <= 64:
@@ -53,8 +56,9 @@ def restart_policy_from_args(args: argparse.Namespace):
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    from pdserve.launcher import run_server
+    from pdserve.launcher import routing_config_from_args, run_server
 
+    routing_config_from_args(args)  # validate before loading anything
     return run_server(args)
 
 
