@@ -62,6 +62,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     #: moving average of measured prefill throughput, tokens/s over the engine steps that
     #: prefilled (0: none measured yet)
     prefill_tokens_per_s: float = 0.0
+    #: prompt tokens the worker ran through its model since it started (cache hits and KV
+    #: received from a prefill worker excluded)
+    num_prompt_tokens_computed: int = 0
 
 
 class GenerateRequest(msgspec.Struct, tag="generate"):

@@ -156,6 +156,7 @@ class EngineWorker:
             draining=self.draining,
             num_prefill_tokens_queued=self.engine.prefill_stats.num_prefill_tokens_queued,
             prefill_tokens_per_s=self.engine.prefill_stats.prefill_tokens_per_s,
+            num_prompt_tokens_computed=self.engine.prefill_stats.num_prefill_tokens_computed,
         )
 
     def _heartbeat_loop(self) -> None:

@@ -85,8 +85,9 @@ class WorkerCollector:
                           "percent usage.", load.kv_cache_usage)
         yield self._gauge("pdserve:num_free_kv_blocks", "Free KV-cache blocks.",
                           load.num_free_blocks)
-        yield self._counter("pdserve:prompt_tokens", "Number of prefill tokens processed.",
-                            w.engine.num_prompt_tokens)
+        yield self._counter("pdserve:prompt_tokens", "Prompt tokens this worker prefilled "
+                            "(cache hits and KV received from a prefill worker excluded).",
+                            w.engine.prefill_stats.num_prefill_tokens_computed)
         yield self._counter("pdserve:generation_tokens", "Number of generation tokens "
                             "processed.", w.engine.num_generation_tokens)
         yield self._counter("pdserve:num_preemptions", "Cumulative number of preemptions.",

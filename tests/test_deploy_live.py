@@ -94,6 +94,34 @@ def test_worker_kv_transfer_counters_match_the_server(cluster):
     assert total(m["decode"], "pdserve:worker_registered") == 1
 
 
+def test_each_worker_counts_the_prompt_tokens_it_prefilled(cluster):
+    """pdserve:prompt_tokens on a worker counts what its model ran: a remotely prefilled
+    prompt moves the prefill worker's count by its length and the decode worker's not at
+    all (its KV arrived); a short prompt moves only the decode worker's, by its uncached
+    tokens."""
+    def counts() -> dict[str, float]:
+        return {role: total(scrape(url), "pdserve:prompt_tokens_total")
+                for role, url in cluster.metrics_urls().items() if role != "api"}
+
+    def complete(prompt: str) -> dict:
+        resp = httpx.post(f"{cluster.base_url}/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=300)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]
+
+    before = counts()
+    usage = complete("Zebra ledger. " + " ".join(["Ships left the harbour at dawn."] * 14))
+    assert usage["prompt_tokens"] >= 64  # above the threshold: remote prefill
+    after = counts()
+    assert after["prefill"] - before["prefill"] == usage["prompt_tokens"]
+    assert after["decode"] == before["decode"]
+    usage = complete("Quokka notes: tell me a short fact.")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    final = counts()
+    assert final["decode"] - after["decode"] == usage["prompt_tokens"] - cached > 0
+    assert final["prefill"] == after["prefill"]
+
+
 def test_bench_counts_the_tokens_of_the_servers_usage_and_uses_vllm_field_names(
         cluster, tmp_path):
     from pdserve.benchmark.datasets import random_requests

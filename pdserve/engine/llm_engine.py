@@ -75,10 +75,9 @@ class LLMEngine:
         #: num_blocks, block_size, num_kv_heads, head_dim]`` in the compute dtype with ``scales``
         #: None, or an FP8 cache's codes as stored with ``scales [1, 2, num_blocks,
         #: num_kv_heads]`` fp32 (nothing re-quantized). Such requests get no :attr:`exported_kv`.
-        self.kv_layer_sink: Callable[
-            [str, int, torch.Tensor, torch.Tensor | None, int], None] | None = None
+        self.kv_layer_sink: Callable[[str, int, torch.Tensor, torch.Tensor | None, int],
+                                     None] | None = None
         self.num_generation_tokens = 0
-        self.num_prompt_tokens = 0
         logger.info("engine ready: %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d",
                     self.arch.architecture, self.runner.dtype, self.runner.num_kv_blocks,
                     config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len)
@@ -325,8 +324,6 @@ class LLMEngine:
         for token_id in token_ids:
             req.append_output_token(token_id)
             new_ids.append(token_id)
-            if req.num_output_tokens == 1:
-                self.num_prompt_tokens += req.num_prompt_tokens
             status = req.check_stop(self.max_model_len)
             if req.grammar is not None and status is None:
                 status = self._advance_grammar(req, token_id)

@@ -35,12 +35,16 @@ class PrefillStats:
             beyond ``step_base_s`` (0 until a step prefilled).
         num_prefill_tokens_queued: prompt tokens not yet prefilled after the last step
             (waiting requests and the rest of partly prefilled ones).
+        num_prefill_tokens_computed: prompt tokens this engine has run through the model
+            (prefix-cache hits and KV installed from a prefill worker excluded; prompts
+            recomputed after a preemption, a failed transfer or a migration included).
     """
 
     def __init__(self) -> None:
         self.step_base_s = 0.0
         self.prefill_tokens_per_s = 0.0
         self.num_prefill_tokens_queued = 0
+        self.num_prefill_tokens_computed = 0
         self._is_first_step = True
         # decayed sums over prefill steps: seconds, tokens, steps
         self._sum_s = self._sum_tokens = self._num_steps = 0.0
@@ -49,6 +53,7 @@ class PrefillStats:
         """Fold in one step that ran ``sched`` in ``step_s`` seconds (after the scheduler
         advanced its requests)."""
         num_prefill = sum(s.num_new_tokens for s in sched.scheduled[sched.num_decodes:])
+        self.num_prefill_tokens_computed += num_prefill
         if self._is_first_step:
             self._is_first_step = False
         elif num_prefill == 0:
