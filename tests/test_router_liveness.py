@@ -10,14 +10,24 @@ real ``pdserve decode-worker`` process that is killed with SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 import zmq
-from server_utils import start_cli, stop_process
+from server_utils import (
+    ServerProcess,
+    child_pids,
+    metrics,
+    num_workers_up,
+    start_cli,
+    stop_process,
+)
 from test_router_parts import Harness, delta, drain, prompt, register_decode
 
 from pdserve.engine.loader.default_model import find_default_gguf
@@ -262,3 +272,90 @@ def test_max_migrations_defaults_to_ten_and_refuses_negatives():
     assert RoutingConfig().max_migrations == 10
     with pytest.raises(ValueError, match="max_migrations"):
         RoutingConfig(max_migrations=-1)
+
+
+# -- the issue's must-show: ten kills during eight streams ---------------------------------
+def decode_worker_pids(srv) -> list[int]:
+    return [pid for pid in child_pids(srv.proc.pid)
+            if b"decode-worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+class Stream(threading.Thread):
+    """One streamed greedy completion; keeps its text, chunk count and usage."""
+
+    def __init__(self, srv, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.srv, self.body = srv, body
+        self.text, self.num_chunks, self.usage, self.error = "", 0, {}, None
+        self.done = False
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.srv.base_url}/completions", json=self.body,
+                              timeout=300) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    self.usage = chunk.get("usage") or self.usage
+                    for choice in chunk["choices"]:
+                        self.text += choice["text"]
+                        self.num_chunks += 1
+        except Exception as exc:  # reported by the test
+            self.error = exc
+        self.done = True
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@needs_model
+@pytest.mark.slow  # eleven model loads under eight streams: 2-5 min
+def test_ten_kills_of_the_decode_worker_during_eight_streams_lose_no_token():
+    """kill -9 of the only decode worker 10 times while 8 greedy streams run (fp32): each
+    time serve restarts it and every request migrates to it after the tokens it streamed;
+    every stream ends with exactly max_tokens tokens and the text of an undisturbed run."""
+    srv = ServerProcess("--dtype", "float32", "--worker-restart-backoff", "0.2",
+                        "--max-worker-restart-backoff", "1", "--max-worker-restarts", "20")
+    max_tokens, num_kills = 96, 10
+    bodies = [{"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+               "prompt": f"Story {i}: a lighthouse keeper named Tom counts {i} ships."}
+              for i in range(8)]
+    try:
+        streams = [Stream(srv, body) for body in bodies]
+        for s in streams:
+            s.start()
+        restart_s = []
+        for _ in range(num_kills):
+            killed_at = time.monotonic()
+            wait_for(lambda: len(decode_worker_pids(srv)) == 1
+                     and num_workers_up(srv, "decode") == 1, 90, "the decode worker")
+            restart_s.append(time.monotonic() - killed_at)
+            progress = sum(s.num_chunks for s in streams)
+            wait_for(lambda: sum(s.num_chunks for s in streams) >= progress + 8, 90,
+                     "tokens from the new decode worker")
+            assert not any(s.done for s in streams), "a stream ended before the last kill"
+            os.kill(decode_worker_pids(srv)[0], signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        for s in streams:
+            s.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert all(s.done for s in streams), [s.num_chunks for s in streams]
+        print("seconds until a decode worker was up after each kill:",
+              [round(t, 1) for t in restart_s[1:]])
+        assert [s.error for s in streams] == [None] * 8
+        assert [s.usage.get("completion_tokens") for s in streams] == [max_tokens] * 8
+        refs = [httpx.post(f"{srv.base_url}/completions", timeout=300, json={
+            **body, "stream": False, "stream_options": None}).json()["choices"][0]["text"]
+            for body in bodies]
+        assert [s.text for s in streams] == refs
+        m = metrics(srv)
+        assert m["pdserve:request_migrations_total{}"] == 8 * num_kills
+        assert m["pdserve:worker_restarts_total{role=decode}"] == num_kills
+    finally:
+        srv.stop()
