@@ -12,6 +12,9 @@ throughput for both, and the ratios (target: P99 TTFT(short) disaggregated <= 1/
 colocated; throughput >= 0.9x).
 
     python bench/mixed_load.py [--num-requests 60] [--rate 0.5]
+
+The cluster helpers (:func:`start_cluster`, :func:`run_requests`, :func:`route_counts`)
+are shared with ``bench/routing_compare.py`` (threshold vs predicted routing).
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from server_utils import free_port, stop_process, wait_health  # noqa: E402
@@ -35,6 +41,7 @@ ENGINE = ["--max-model-len", "4096", "--num-kv-blocks", "2048"]
 
 
 def pct(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (nearest rank; NaN when empty)."""
     s = sorted(values)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
 
@@ -57,8 +64,10 @@ def workload(n: int, rate: float, seed: int = 0) -> list[tuple[float, list[int],
     return out
 
 
-def launch(kind: str, router: str, cpus: str, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+def launch(kind: str, router: str, cpus: str, threads: int, secret: str) -> subprocess.Popen:
+    """A worker of ``kind`` pinned to ``cpus`` with ``threads`` torch threads."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+               PDSERVE_CLUSTER_SECRET=secret)
     cmd = ["taskset", "-c", cpus, sys.executable, "-m", "pdserve.cli", kind, "--router", router,
            *ENGINE]
     if kind == "prefill-worker":
@@ -67,6 +76,7 @@ def launch(kind: str, router: str, cpus: str, threads: int) -> subprocess.Popen:
 
 
 async def one(http, url, ids, max_tokens, delay):
+    """One streamed completion sent after ``delay`` s: (TTFT s or None, output chunks)."""
     await asyncio.sleep(delay)
     body = {"model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
@@ -82,43 +92,105 @@ async def one(http, url, ids, max_tokens, delay):
     return ttft, n
 
 
-def run_topology(name: str, disaggregated: bool, reqs, threshold: int) -> dict:
+@dataclass
+class Cluster:
+    """A running server + workers on loopback: ``base`` URL and the processes to stop."""
+
+    base: str
+    procs: list[subprocess.Popen]
+
+    def stop(self) -> None:
+        """Workers first, then the server."""
+        for proc in self.procs[1:] + self.procs[:1]:
+            stop_process(proc, 10)
+
+
+def start_cluster(disaggregated: bool, threshold: int, routing: str = "threshold") -> Cluster:
+    """Server (``--routing routing``) + one decode worker on both cores (colocated), or a
+    prefill worker on core 0 and a decode worker on core 1; returns once every worker is up."""
     port, rport = free_port(), free_port()
-    router = f"tcp://127.0.0.1:{rport}"
+    router, secret = f"tcp://127.0.0.1:{rport}", secrets.token_hex(16)
     server = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "server", "--port", str(port), "--router-address",
-         router, "--prefill-threshold", str(threshold), "--max-model-len", "4096"],
-        stdout=subprocess.DEVNULL)
-    workers = ([launch("prefill-worker", router, "0", 1), launch("decode-worker", router, "1", 1)]
-               if disaggregated else [launch("decode-worker", router, "0,1", 2)])
-    base = f"http://127.0.0.1:{port}"
+         router, "--prefill-threshold", str(threshold), "--routing", routing,
+         "--max-model-len", "4096"],
+        env=dict(os.environ, PDSERVE_CLUSTER_SECRET=secret), stdout=subprocess.DEVNULL)
+    workers = ([launch("prefill-worker", router, "0", 1, secret),
+                launch("decode-worker", router, "1", 1, secret)]
+               if disaggregated else [launch("decode-worker", router, "0,1", 2, secret)])
+    cluster = Cluster(f"http://127.0.0.1:{port}", [server, *workers])
     try:
-        wait_health(base, 200, server, 300)
-        time.sleep(3)  # let a prefill worker register too
-        url = f"{base}/v1/completions"
+        if not wait_health(cluster.base, 200, server, 300):
+            raise RuntimeError("server did not become healthy")
+        deadline = time.monotonic() + 120
+        while num_workers_up(cluster.base) < len(workers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("workers did not register")
+            time.sleep(0.5)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
 
-        async def go():
-            async with httpx.AsyncClient(timeout=900) as http:
-                t0 = time.perf_counter()
-                res = await asyncio.gather(*(one(http, url, ids, mt, at)
-                                             for at, ids, mt, _ in reqs))
-                return res, time.perf_counter() - t0
 
-        res, elapsed = asyncio.run(go())
-    finally:
-        for w in workers:
-            stop_process(w, 10)
-        stop_process(server, 10)
+def num_workers_up(base: str) -> int:
+    """Workers the router sees alive (``pdserve:worker_up``)."""
+    return int(sum(v for k, v in scrape(base).items() if k.startswith("pdserve:worker_up{")))
+
+
+def scrape(base: str) -> dict[str, float]:
+    """Flat ``{name{labels}: value}`` of ``base``/metrics (model_name label dropped)."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k != "model_name")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def route_counts(base: str) -> dict[str, int]:
+    """``pdserve:route_decisions_total`` by route kind (local, remote_prefill, fallback)."""
+    prefix = "pdserve:route_decisions_total{route="
+    return {k[len(prefix):-1]: int(v) for k, v in scrape(base).items() if k.startswith(prefix)}
+
+
+async def run_requests(base: str, reqs) -> tuple[list[tuple[float | None, int]], float]:
+    """Send ``reqs`` (as :func:`workload` makes them) at their arrival offsets; returns
+    (TTFT s, output tokens) per request and the wall time of the whole run."""
+    url = f"{base}/v1/completions"
+    async with httpx.AsyncClient(timeout=900) as http:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(http, url, ids, mt, at) for at, ids, mt, _ in reqs))
+        return res, time.perf_counter() - t0
+
+
+def summarize(name: str, reqs, res, elapsed: float) -> dict:
+    """TTFT percentiles of the short and the long requests and output throughput."""
     short = [r[0] for r, q in zip(res, reqs) if not q[3] and r[0] is not None]
     long_ = [r[0] for r, q in zip(res, reqs) if q[3] and r[0] is not None]
-    out = {"name": name, "ttft_short_p50": pct(short, 50), "ttft_short_p99": pct(short, 99),
-           "ttft_long_p50": pct(long_, 50), "tok_s": sum(r[1] for r in res) / elapsed}
+    return {"name": name, "num_requests": len(reqs), "num_long": sum(q[3] for q in reqs),
+            "num_failed": sum(r[0] is None for r in res),
+            "ttft_short_p50": pct(short, 50), "ttft_short_p99": pct(short, 99),
+            "ttft_long_p50": pct(long_, 50), "ttft_long_p99": pct(long_, 99),
+            "tok_s": sum(r[1] for r in res) / elapsed, "elapsed_s": elapsed}
+
+
+def run_topology(name: str, disaggregated: bool, reqs, threshold: int) -> dict:
+    """Start a fresh cluster, run ``reqs`` against it and print its summary."""
+    cluster = start_cluster(disaggregated, threshold)
+    try:
+        res, elapsed = asyncio.run(run_requests(cluster.base, reqs))
+    finally:
+        cluster.stop()
+    out = summarize(name, reqs, res, elapsed)
     print(f"{name:14s} TTFT short p50 {out['ttft_short_p50']:.2f}s p99 {out['ttft_short_p99']:.2f}s"
           f" | long p50 {out['ttft_long_p50']:.2f}s | {out['tok_s']:.1f} out tok/s", flush=True)
     return out
 
 
 def main() -> None:
+    """Run the mix on both topologies and print the ratios against the targets."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
