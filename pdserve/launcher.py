@@ -116,7 +116,10 @@ def routing_config_from_args(args: argparse.Namespace):
     from pdserve.router.requests import RoutingConfig
 
     try:
-        return RoutingConfig(prefill_threshold=args.prefill_threshold, policy=args.routing,
+        # --colocated: no prefill worker exists, so every prompt is local by design (not
+        # a "fallback" for want of one)
+        threshold = sys.maxsize if getattr(args, "colocated", False) else args.prefill_threshold
+        return RoutingConfig(prefill_threshold=threshold, policy=args.routing,
                              migration_timeout_s=args.migration_timeout,
                              max_migrations=args.max_migrations,
                              kv_failure_policy=args.kv_failure_policy,

@@ -226,3 +226,17 @@ def test_completion_logprobs_have_one_entry_per_token(client):
     assert "".join(lp.tokens) == resp.choices[0].text
     assert all(len(t) <= 2 for t in lp.top_logprobs)
     assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_colocated_long_prompts_route_local_not_fallback(server, client):
+    """``serve --colocated`` has no prefill worker by design: a prompt above
+    ``--prefill-threshold`` is a ``local`` route there, not a ``fallback`` for want of one."""
+    from server_utils import metrics
+
+    before = metrics(server)
+    out = client.completions.create(model=MODEL, prompt="word " * 700, max_tokens=1)
+    assert out.usage.prompt_tokens > 512
+    after = metrics(server)
+    key = "pdserve:route_decisions_total{route=%s}"
+    assert after.get(key % "local", 0) - before.get(key % "local", 0) == 1
+    assert after.get(key % "fallback", 0) == before.get(key % "fallback", 0)
