@@ -172,6 +172,11 @@ def test_predicted_policy_weighs_queues_rates_and_the_decode_workers_stall():
     assert policy.route(RouteRequest("r", prompt(1000)), view).prefill.worker_id == "p0"
     # prompt logprobs stay local whatever the cost
     assert policy.route(RouteRequest("r", prompt(1000), True), view).kind == LOCAL
+    # below the threshold a prompt stays local whatever the cost: 90 tokens behind 30,000
+    # queued on D (30.1 s) against an idle prefill worker (0.09 s)
+    register(view.registry, "d0", rate=1000.0, running=4, queued=30_000)
+    assert policy.route(RouteRequest("r", prompt(90)), view).kind == LOCAL
+    assert policy.route(RouteRequest("r", prompt(100)), view).kind == REMOTE_PREFILL
 
 
 def test_predicted_policy_keeps_a_cached_history_local_and_counts_the_link():

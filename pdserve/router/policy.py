@@ -193,6 +193,11 @@ class PredictedTTFTPolicy(ThresholdPolicy):
     measured steps) and the router's own count of what it sent since; a long follow-up
     turn whose history D holds stays local because only uncached tokens count.
 
+    Prompts with fewer uncached tokens than ``prefill_threshold`` stay local: the cost
+    only decides whether a long prompt goes remote or stays on D. Measured, letting the
+    cost send short prompts to an idle-looking prefill worker doubled their P99 TTFT
+    (``bench/routing_compare.py``: a short prompt gains little from a faster prefill and
+    loses much when a long one lands on the prefill worker's queue ahead of its KV push).
     While D's or every prefill worker's rate is unknown (no prefill measured yet), and for
     requests that must stay local (prompt logprobs) or cannot go remote (no prefill
     worker, D takes no pushed KV), it routes as :class:`ThresholdPolicy` at
@@ -205,8 +210,7 @@ class PredictedTTFTPolicy(ThresholdPolicy):
     def route(self, request: RouteRequest, workers: ClusterView) -> Route | None:
         """The cheaper of the local and remote paths (see the class docstring)."""
         fallback = super().route(request, workers)
-        if fallback is None or request.wants_prompt_logprobs or \
-                not fallback.decode.info.kv_address:
+        if fallback is None or fallback.kind == LOCAL or not fallback.decode.info.kv_address:
             return fallback
         decode, cached = fallback.decode, fallback.num_cached_tokens
         num_tokens = len(request.prompt_token_ids)
