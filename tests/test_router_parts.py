@@ -152,15 +152,15 @@ def test_predicted_policy_routes_as_the_threshold_while_rates_are_unknown():
 
 
 def test_predicted_policy_weighs_queues_rates_and_the_decode_workers_stall():
-    """Costs by hand: local = (queued + uncached) / rate_D, plus uncached / rate_D once
-    when D runs requests (their next token waits); remote = (queued_P + prompt) / rate_P."""
+    """Costs by hand: local = (queued + uncached) / rate_D + running * uncached / rate_D;
+    remote = (queued_P + prompt) / rate_P."""
     view = View()
     policy = PredictedTTFTPolicy(prefill_threshold=100)
     register(view.registry, "d0", rate=1000.0, running=0)
-    register(view.registry, "p0", role="prefill", kv_address=None, rate=1000.0, queued=500)
-    # idle decode worker, busy prefill worker: 1,000 tokens local 1.0 s < remote 1.5 s
+    register(view.registry, "p0", role="prefill", kv_address=None, rate=1000.0, queued=2000)
+    # idle decode worker, busy prefill worker: 1,000 tokens local 1.0 s < remote 3.0 s
     assert policy.route(RouteRequest("r", prompt(1000)), view).kind == LOCAL
-    # running requests (however many): local 1.0 + 1.0 = 2.0 s > remote 1.5 s
+    # 4 running requests: local 1.0 + 4 * 1.0 = 5.0 s > remote 3.0 s
     register(view.registry, "d0", rate=1000.0, running=4)
     route = policy.route(RouteRequest("r", prompt(1000)), view)
     assert (route.kind, route.prefill.worker_id) == (REMOTE_PREFILL, "p0")
@@ -187,12 +187,10 @@ def test_predicted_policy_keeps_a_cached_history_local_and_counts_the_link():
     history = prompt(960)
     view.cache("d0", history)
     follow_up = history + prompt(40, start=5000)
-    # local: (0 + 40) / 1000 + 0.04 = 0.08 s; remote: 1000 / 1000 = 1.0 s
+    # local: (0 + 40) / 1000 + 4 * 0.04 = 0.2 s; remote: 1000 / 1000 = 1.0 s
     route = policy.route(RouteRequest("r", follow_up), view)
     assert (route.kind, route.num_cached_tokens) == (LOCAL, 960)
-    # a fresh 1,000-token prompt behind 3,000 queued on D: local 4.0 + 1.0 = 5.0 s, remote
-    # 1.0 s plus the link
-    register(view.registry, "d0", rate=1000.0, running=4, queued=3000)
+    # a fresh 1,000-token prompt: local 5.0 s, remote 1.0 s plus the link
     assert policy.route(RouteRequest("r", prompt(1000, 9000)), view).kind == REMOTE_PREFILL
     p0.observe_transfer(num_bytes=10_000_000, num_tokens=1000, push_s=2.5)  # 4 MB/s
     # remote: 1.0 + 1000 * 10 kB / 4 MB/s = 3.5 s; still below local 5.0 s

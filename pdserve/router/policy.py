@@ -134,13 +134,11 @@ class PathEstimate:
             this prompt's, at its measured rate (plus, remote, the measured handshake
             overhead and pushing the KV at the measured link rate, an upper bound since
             layers are pushed while later ones are prefilled).
-        stall_s: decode time a local prefill takes from the decode worker's running
-            requests: a prefill of N uncached tokens delays the next token of each of them
-            by N / rate, counted once (0 with nothing running). Counted once, not summed
-            over them: summed, a busy decode worker priced every short prompt above the
-            prefill worker's whole queue, and short prompts waited behind long ones there
-            (``bench/routing_compare.py``, 2026-12-02: 23-42 of 70 prompts remote, short
-            P99 TTFT 2-10x the threshold policy's).
+        stall_s: decode time the prefill takes from the decode worker's running requests,
+            summed over them (a local prefill of N tokens delays each of them by N / rate).
+            Counted once instead, a busy decode worker kept long prompts local and the
+            short ones arriving behind them waited (short P99 TTFT 4.5x the threshold
+            policy's, ``bench/routing_compare.py``, 2026-12-02f).
         worker: who prefills.
     """
 
@@ -150,8 +148,7 @@ class PathEstimate:
 
     @property
     def cost_s(self) -> float:
-        """What the policy minimizes: the request's wait plus the running requests' added
-        wait for their next token."""
+        """What the policy minimizes: the request's wait plus the others' added waits."""
         return self.ttft_s + self.stall_s
 
 
@@ -161,9 +158,9 @@ def local_estimate(decode: WorkerInfo, num_uncached: int) -> PathEstimate | None
     rate = decode.prefill_tokens_per_s
     if rate <= 0:
         return None
-    is_decoding = decode.load is not None and decode.load.num_running > 0
+    num_running = 0 if decode.load is None else decode.load.num_running
     return PathEstimate((decode.num_prefill_tokens_queued + num_uncached) / rate,
-                        num_uncached / rate if is_decoding else 0.0, decode)
+                        num_running * num_uncached / rate, decode)
 
 
 def remote_estimate(prefill: WorkerInfo, num_tokens: int) -> PathEstimate | None:
@@ -185,8 +182,7 @@ class PredictedTTFTPolicy(ThresholdPolicy):
 
     The least-loaded decode worker D (as :func:`choose_decode`) runs the request either
     way. Local: D prefills the prompt's tokens it does not hold cached, behind its queued
-    prefill tokens, at its measured rate, and its running requests' next token waits that
-    long. Remote:
+    prefill tokens, at its measured rate, and its running requests wait that long. Remote:
     the prefill worker with the cheapest estimate prefills the whole prompt behind its own
     queue, at its rate, and pushes the KV. The cheaper :attr:`PathEstimate.cost_s` wins,
     local on a tie. Rates and queues come from the workers' heartbeats (moving averages of
