@@ -86,7 +86,10 @@ class ChaosServer:
              *serve_args], env=env, cwd=root, stdout=self.log, stderr=subprocess.STDOUT)
         if not wait_health(self.base, 200, self.proc, timeout_s=300.0):
             self.stop()
-            raise RuntimeError(f"pdserve serve did not become healthy; see {log_path}")
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            raise RuntimeError(f"pdserve serve did not become healthy (exit code "
+                               f"{self.proc.returncode}); the end of {log_path}:\n"
+                               + "\n".join(tail))
 
     def worker_pid(self, role: str) -> int:
         """Pid of the one live ``<role>-worker`` child of the serve process."""
@@ -360,8 +363,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def run(args: argparse.Namespace) -> dict:
     """Both phases against one server; returns the JSON-able result."""
+    cores = sorted(os.sched_getaffinity(0))  # e.g. "2-3" in a container, not "0-1"
+    pinning = (["--decode-cpus", str(cores[-1]), "--prefill-cpus", str(cores[0])]
+               if len(cores) >= 2 else [])
     serve_args = ["--dtype", "float32", "--max-model-len", "4096", "--num-kv-blocks", "1024",
-                  "--decode-cpus", "1", "--prefill-cpus", "0",
+                  *pinning,
                   "--max-worker-restarts", str(4 * args.num_kills + 2),
                   "--max-worker-restart-backoff", str(args.max_worker_restart_backoff)]
     rng = random.Random(args.seed)

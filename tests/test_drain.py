@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess, child_pids, pid_alive
+from server_utils import ServerProcess, child_pids, metrics, pid_alive
 
 from pdserve.engine.loader.default_model import find_default_gguf
 
@@ -91,9 +91,22 @@ def test_a_request_without_a_first_token_in_time_ends_with_a_503_and_frees_its_b
         m = wait_idle(srv)
         assert m["pdserve:kv_cache_usage_perc{}"] == 0
         assert m["pdserve:request_timeouts_total{kind=first_token}"] == 1
-        ok = httpx.post(f"{srv.base_url}/completions", timeout=120, json={
-            "model": MODEL, "prompt": "Hello", "max_tokens": 2})
-        assert ok.status_code == 200
+        # The router's picture is idle at once, but the worker may still be inside the
+        # long prefill step (a step is not interrupted; on a loaded 2-core host it runs
+        # past the 1 s limit): the next request is served once that step ends, by the
+        # same worker (no restart).
+        worker = srv.worker_pid()
+        deadline = time.monotonic() + 60
+        while True:
+            ok = httpx.post(f"{srv.base_url}/completions", timeout=120, json={
+                "model": MODEL, "prompt": "Hello", "max_tokens": 2})
+            if ok.status_code == 200 or time.monotonic() > deadline:
+                break
+            assert "no first token within 1 s" in ok.json()["error"]["message"]
+            time.sleep(0.5)
+        assert ok.status_code == 200, ok.text
+        assert srv.worker_pid() == worker
+        assert metrics(srv)["pdserve:worker_restarts_total{role=decode}"] == 0
     finally:
         srv.stop()
 

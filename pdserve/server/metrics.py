@@ -104,8 +104,10 @@ class ServerMetrics:
             "malformed, impostor, unregistered, not_its_request).", lbl + ("reason",),
             registry=r)
         self.request_timeouts = Counter(
-            "pdserve:request_timeouts", "Requests ended by a deadline (kind: first_token).",
-            lbl + ("kind",), registry=r)
+            "pdserve:request_timeouts", "Requests ended by a deadline (kind: first_token, "
+            "reserve).", lbl + ("kind",), registry=r)
+        for kind in ("first_token", "reserve"):  # exported at 0 before the first
+            self.request_timeouts.labels(self.model_name, kind)
         self.router_loop_restarts = Counter(
             "pdserve:router_loop_restarts", "Router loops restarted after a failure.",
             lbl + ("loop",), registry=r)
