@@ -19,6 +19,11 @@ the token and block counts and the checksum (:func:`sign_header`). A receiver ch
 (:func:`header_is_authentic`) before it touches a block, so a push forged by anyone without
 the secret, or one aimed at another worker, is dropped; on UCX, whose transports neither
 authenticate nor encrypt, this is the only check.
+
+A transfer may also carry one *hidden section* (``section == "hidden"``, version 2): the
+prompt's target hidden states for the decode worker's EAGLE head, in their own message
+after the KV layers (:mod:`pdserve.kvtransfer.hidden`); the transfer's KV messages announce
+it (``hidden_size``) so that the receiver waits for it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ NATIVE_WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32})
 _WIRE_ITEMSIZE = {WIRE_DTYPE_FP8: 1, "bfloat16": 2, "float16": 2, "float32": 4}
 _SCALE_ITEMSIZE = 4
+#: The format's version, in every header; a header without one is version 1. Version 2 added
+#: hidden sections (``section``, ``hidden_size``, ``hidden_start``). A receiver refuses a
+#: version above its own with a KVFormatError naming both, so the transfer fails (and the
+#: decode worker recomputes) instead of a newer sender's message being misread.
+WIRE_VERSION = 2
+#: ``KVHeader.section``: layers of the request's KV ...
+SECTION_KV = "kv"
+#: ... or its prompt's target hidden states for an EAGLE head (:mod:`.hidden`)
+SECTION_HIDDEN = "hidden"
 
 
 class KVHeader(msgspec.Struct, frozen=True):
@@ -63,6 +77,13 @@ class KVHeader(msgspec.Struct, frozen=True):
     scale_bytes: int
     checksum: int  # kv_checksum(payload, scales), 0 <= checksum < 2**64
     auth: bytes = b""  # HMAC by the cluster secret (sign_header), empty without keys
+    version: int = 1  # the sender's WIRE_VERSION (absent: 1)
+    section: str = SECTION_KV  # "kv" | "hidden"
+    #: features per token of the transfer's hidden section, on each of its messages so the
+    #: receiver waits for that section; 0: the transfer has none
+    hidden_size: int = 0
+    #: hidden section: its first prompt position (it holds ``[hidden_start, num_tokens)``)
+    hidden_start: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -107,9 +128,22 @@ def decode_header(data) -> KVHeader:
 
 def validate_header(header: KVHeader) -> None:
     """Checks the header's internal consistency; raises KVFormatError naming the field."""
-    for name in ("layer_start", "payload_bytes", "scale_bytes", "checksum"):
+    if not 1 <= header.version <= WIRE_VERSION:
+        raise KVFormatError(f"version: this receiver reads KV wire versions 1 to "
+                            f"{WIRE_VERSION}, got {header.version}")
+    for name in ("layer_start", "payload_bytes", "scale_bytes", "checksum", "hidden_size",
+                 "hidden_start"):
         if getattr(header, name) < 0:
             raise KVFormatError(f"{name}: must be >= 0, got {getattr(header, name)}")
+    if header.section == SECTION_HIDDEN:
+        _validate_hidden_section(header)
+        return
+    if header.section != SECTION_KV:
+        raise KVFormatError(f"section: expected {SECTION_KV!r} or {SECTION_HIDDEN!r}, got "
+                            f"{header.section!r}")
+    if header.hidden_start:
+        raise KVFormatError(f"hidden_start: only a hidden section has one, got "
+                            f"{header.hidden_start}")
     for name in ("num_tokens", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
         if getattr(header, name) < 1:
             raise KVFormatError(f"{name}: must be >= 1, got {getattr(header, name)}")
@@ -138,6 +172,33 @@ def validate_header(header: KVHeader) -> None:
         raise KVFormatError(f"scale_bytes: expected {scale_bytes}, got {header.scale_bytes}")
 
 
+def _validate_hidden_section(header: KVHeader) -> None:
+    """A hidden section: ``[num_tokens - hidden_start, hidden_size]`` of a native dtype, no
+    KV (layer range, KV geometry and scales all 0)."""
+    if header.version < 2:
+        raise KVFormatError(f"section: hidden sections need version >= 2, got "
+                            f"{header.version}")
+    for name in ("layer_start", "layer_end", "num_blocks", "block_size", "num_kv_heads",
+                 "head_dim", "scale_bytes"):
+        if getattr(header, name) != 0:
+            raise KVFormatError(f"{name}: a hidden section carries no KV, must be 0, got "
+                                f"{getattr(header, name)}")
+    if header.hidden_size < 1:
+        raise KVFormatError(f"hidden_size: must be >= 1, got {header.hidden_size}")
+    if not 0 <= header.hidden_start < header.num_tokens:
+        raise KVFormatError(f"hidden_start: must be in [0, num_tokens={header.num_tokens}), "
+                            f"got {header.hidden_start}")
+    if header.dtype not in NATIVE_WIRE_DTYPES or header.scale_layout != SCALE_LAYOUT_NONE:
+        raise KVFormatError(f"dtype: a hidden section is one of {list(NATIVE_WIRE_DTYPES)} "
+                            f"without scales, got {header.dtype!r} ({header.scale_layout!r})")
+    payload_bytes = ((header.num_tokens - header.hidden_start) * header.hidden_size
+                     * _WIRE_ITEMSIZE[header.dtype])
+    if header.payload_bytes != payload_bytes:
+        raise KVFormatError(f"payload_bytes: hidden section [{header.num_tokens} - "
+                            f"{header.hidden_start}, {header.hidden_size}] of {header.dtype} "
+                            f"needs {payload_bytes}, got {header.payload_bytes}")
+
+
 @dataclass(frozen=True)
 class EncodedKV:
     """A header and the two byte buffers to send after it (views, not copies)."""
@@ -153,7 +214,8 @@ class EncodedKV:
 
 
 def encode_kv(request_id: str, kv: torch.Tensor, *, layer_start: int, num_tokens: int,
-              use_fp8: bool, scales: torch.Tensor | None = None) -> EncodedKV:
+              use_fp8: bool, scales: torch.Tensor | None = None,
+              hidden_size: int = 0) -> EncodedKV:
     """Encode gathered KV blocks as one message.
 
     kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] bf16/fp16/fp32 CPU,
@@ -163,6 +225,8 @@ def encode_kv(request_id: str, kv: torch.Tensor, *, layer_start: int, num_tokens
     use_fp8: quantize to fp8_e4m3 with per-(layer, K/V, block, head) scales, else send
         the bytes of ``kv.dtype`` unchanged. Must be True for FP8 ``kv``.
     scales: [num_layers, 2, num_blocks, num_kv_heads] fp32, with FP8 ``kv`` only.
+    hidden_size: the width of the hidden section that follows this transfer's KV messages
+        (:func:`~pdserve.kvtransfer.hidden.encode_hidden`); 0: none follows.
     """
     if kv.dim() != 6 or kv.shape[1] != 2:
         raise ValueError(f"kv: expected 6-d [num_layers, 2, num_blocks, block_size, "
@@ -191,7 +255,7 @@ def encode_kv(request_id: str, kv: torch.Tensor, *, layer_start: int, num_tokens
         num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size,
         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype_name, scale_layout=layout,
         payload_bytes=payload.size, scale_bytes=scales.size,
-        checksum=kv_checksum(payload, scales))
+        checksum=kv_checksum(payload, scales), version=WIRE_VERSION, hidden_size=hidden_size)
     try:
         validate_header(header)
     except KVFormatError as e:
@@ -225,9 +289,12 @@ def decode_kv(header: KVHeader, payload, scales) -> DecodedKV:
     payload, scales: buffers (bytes-like; ``scales`` may be empty) holding exactly
     ``header.payload_bytes`` and ``header.scale_bytes``. The returned tensors alias them:
     use the result before the receive buffer is released.
-    Raises KVFormatError (header or sizes) or KVChecksumError.
+    Raises KVFormatError (header or sizes, or a hidden section: see
+    :func:`~pdserve.kvtransfer.hidden.decode_hidden`) or KVChecksumError.
     """
     validate_header(header)
+    if header.section != SECTION_KV:
+        raise KVFormatError(f"section: a {header.section!r} message holds no KV")
     payload_np = _byte_view(payload)
     scales_np = _byte_view(scales)
     if payload_np.size != header.payload_bytes:
@@ -281,7 +348,8 @@ def _auth_parts(header: KVHeader, dest_address: str) -> tuple[bytes, ...]:
             *(str(v).encode() for v in (header.layer_start, header.layer_end,
                                          header.num_tokens, header.num_blocks,
                                          header.payload_bytes, header.scale_bytes,
-                                         header.checksum)))
+                                         header.checksum, header.version, header.section,
+                                         header.hidden_size, header.hidden_start)))
 
 
 def sign_header(header: KVHeader, keys, dest_address: str) -> KVHeader:
