@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from pdserve.fp8 import dequantize_blocks
 from pdserve.kvtransfer.addressing import replace_tcp_host
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError, KVTransferTimeout
 from pdserve.kvtransfer.transport import MAX_KV_MESSAGE_BYTES, KVReceiverConfig, create_transport
@@ -165,14 +166,22 @@ class KVInbox:
         if as_codes:
             full[h.layer_start:h.layer_end] = decoded.values
             full_scales[h.layer_start:h.layer_end] = decoded.scales
+        elif decoded.is_fp8:  # straight from the staging buffer into the request's tensor
+            dequantize_blocks(decoded.values, decoded.scales, self.cache_dtype,
+                              out=full[h.layer_start:h.layer_end])
         else:
-            full[h.layer_start:h.layer_end] = decoded.to_dtype(self.cache_dtype)
+            full[h.layer_start:h.layer_end].copy_(decoded.values)
         num_done += h.layer_end - h.layer_start
         if num_done >= self.num_layers:
             self._partial.pop(rid, None)
             self.ready.put((rid, (full, full_scales)))
         else:
             self._partial[rid] = (full, full_scales, num_done, time.monotonic())
+
+    def discard(self, request_id: str) -> None:
+        """Drop the layers received so far for ``request_id`` (any thread; its later
+        messages are dropped by ``expects``)."""
+        self._partial.pop(request_id, None)
 
     def _drop_stale(self) -> None:
         now = time.monotonic()

@@ -10,6 +10,10 @@ Remote prefill, decode side (see ARCHITECTURE.md, "push into reserved blocks")::
     no KV within --kv-transfer-timeout of the first token, or a bad checksum
                                                      ──► KVTransferFailed to router,
     which answers ResumeLocally (recompute here) or aborts (policy "fail").
+
+Each such request is a :class:`~pdserve.decode_worker.kv_lifecycle.RemoteKV` moving through
+explicit states (reserved, receiving, ready, running, failed -> recomputing) with a
+deadline on each; every way out of the KV wait frees its blocks in :meth:`_release_kv`.
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass
-
-import torch
 
 from pdserve.decode_worker.kv_inbox import KVInbox
+from pdserve.decode_worker.kv_lifecycle import (
+    FINAL, LIVE, RELEASES_KV, KVDeadlines, KVEvent, KVState, RemoteKV)
 from pdserve.engine.llm_engine import KVCapacityError, LLMEngine
+from pdserve.engine.request import RequestStatus
 from pdserve.messages import (
     ExpectRemoteKV,
     FirstToken,
@@ -40,18 +44,6 @@ from pdserve.worker_metrics import KVTransferTotals
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ParkedRequest:
-    """A request waiting for its pushed KV and its first token."""
-
-    reserved_s: float
-    num_prompt_tokens: int = 0
-    kv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (kv, FP8 scales or None)
-    first_token_id: int | None = None
-    first_token_s: float | None = None  # when the prefill finished: the transfer's start
-    is_failure_reported: bool = False
-
-
 class DecodeWorker(EngineWorker):
     """See the module docstring.
 
@@ -62,6 +54,8 @@ class DecodeWorker(EngineWorker):
             None: the transport's loopback default.
         kv_advertise_host: host prefill workers connect to when it differs from the bound
             one (``kv_address`` on ``0.0.0.0``); None: the bound address as it is.
+        kv_deadlines: each remote-KV state's deadline; None: the defaults, with
+            ``kv_transfer_timeout_s`` for the receiving and ready states.
     """
 
     role = "decode"
@@ -71,7 +65,7 @@ class DecodeWorker(EngineWorker):
                  model_name: str, heartbeat_interval_s: float = 1.0,
                  kv_transport: str | None = "zmq", kv_transfer_timeout_s: float = 10.0,
                  kv_address: str | None = None, kv_advertise_host: str | None = None,
-                 cluster_keys=None) -> None:
+                 cluster_keys=None, kv_deadlines: KVDeadlines | None = None) -> None:
         super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s,
                          cluster_keys)
         self.kv_transport = kv_transport
@@ -82,7 +76,10 @@ class DecodeWorker(EngineWorker):
                                  address=kv_address, advertise_host=kv_advertise_host,
                                  keep_fp8=engine.runner.kv_scales is not None,
                                  cluster_keys=cluster_keys, expects=self._expected_kv)
-        self.parked: dict[str, ParkedRequest] = {}
+        self.kv_deadlines = kv_deadlines or KVDeadlines(receiving_s=kv_transfer_timeout_s,
+                                                        ready_s=kv_transfer_timeout_s)
+        #: remotely prefilled requests not yet running, recomputing or aborted
+        self.remote: dict[str, RemoteKV] = {}
 
     def registration_extras(self) -> dict:
         """The KV receiver's advertised address and transport, so the router can tell
@@ -104,14 +101,13 @@ class DecodeWorker(EngineWorker):
         elif isinstance(msg, ExpectRemoteKV):
             self._reserve(msg)
         elif isinstance(msg, FirstToken):
-            parked = self.parked.get(msg.request_id)
-            if parked is not None:
-                parked.first_token_id = msg.token_id
-                parked.first_token_s = time.monotonic()
-                self._try_complete(msg.request_id)
+            entry = self.remote.get(msg.request_id)
+            if entry is not None and entry.first_token_id is None:
+                entry.first_token_id = msg.token_id
+                self._fire(msg.request_id, KVEvent.FIRST_TOKEN)
+                self._try_install(msg.request_id)
         elif isinstance(msg, ResumeLocally):
-            if self.parked.pop(msg.request_id, None) is not None:
-                self.engine.resume_locally(msg.request_id, msg.output_token_ids)
+            self._fire(msg.request_id, KVEvent.RESUME, msg.output_token_ids)
         else:
             super().handle(msg)
 
@@ -125,64 +121,100 @@ class DecodeWorker(EngineWorker):
         except ValueError as exc:
             self.send(KVReserveRefused(msg.request_id, str(exc), is_capacity=False))
             return
-        self.parked[msg.request_id] = ParkedRequest(time.monotonic(),
-                                                    len(msg.prompt_token_ids))
+        self.remote[msg.request_id] = RemoteKV(len(msg.prompt_token_ids))
         self.send(KVReserved(msg.request_id, num_cached))
 
     def _expected_kv(self, request_id: str) -> int | None:
-        """The inbox thread's check: prompt tokens reserved for ``request_id`` whose KV has
-        not arrived yet, else None (a dict read; the engine thread owns ``parked``)."""
-        parked = self.parked.get(request_id)
-        if parked is None or parked.kv is not None or parked.is_failure_reported:
-            return None
-        return parked.num_prompt_tokens
+        """The inbox thread's check: prompt tokens reserved for ``request_id`` whose KV may
+        still be stored, else None (a dict read; the engine thread owns ``remote``)."""
+        entry = self.remote.get(request_id)
+        return entry.num_prompt_tokens if entry is not None and entry.accepts_kv else None
 
-    def _try_complete(self, rid: str) -> None:
-        parked = self.parked[rid]
-        if parked.kv is None or parked.first_token_id is None:
+    def _fire(self, rid: str, event: KVEvent, output_token_ids: list[int] | None = None,
+              ) -> KVState | None:
+        """Move ``rid`` on by ``event`` and do what entering the new state means: release
+        its KV, report a failure, recompute, abort. None: not here, or ignored."""
+        entry = self.remote.get(rid)
+        new = None if entry is None else entry.fire(event)
+        if new is None:
+            return None
+        if new in RELEASES_KV:
+            self._release_kv(rid, entry)
+        if new is KVState.FAILED:
+            self.send(KVTransferFailed(self.worker_id, rid, entry.failure or "timeout"))
+        elif new is KVState.RECOMPUTING:
+            self.engine.resume_locally(rid, list(output_token_ids or []))
+        elif new is KVState.ABORTED:
+            self.engine.abort_request(rid)
+            if event is KVEvent.DEADLINE:  # the router never answered the failure
+                self.send(RequestFailed(rid, "the KV transfer failed and the router did not "
+                                             "answer in time", is_client_error=False))
+        if new in FINAL:
+            del self.remote[rid]
+        return new
+
+    def _release_kv(self, rid: str, entry: RemoteKV) -> None:
+        """The one place a remotely prefilled request's KV is let go before it runs (failed,
+        recomputing, aborted): the partly received layers and the reserved blocks. The
+        request stays parked in the engine (resume_locally or abort_request ends it)."""
+        entry.kv = None
+        if self.inbox is not None:
+            self.inbox.discard(rid)
+        req = self.engine.requests.get(rid)
+        if req is not None and req.status is RequestStatus.WAITING_FOR_KV:
+            self.engine.block_manager.free(req)
+
+    def _try_install(self, rid: str) -> None:
+        """Write a READY request's KV into its blocks and start it, once its first token
+        is in; KV that does not fit fails it."""
+        entry = self.remote.get(rid)
+        if entry is None or entry.state is not KVState.READY or entry.first_token_id is None:
             return
-        del self.parked[rid]
+        kv, entry.kv = entry.kv, None
         try:
-            self.engine.complete_remote_prefill(rid, parked.first_token_id, *parked.kv)
+            self.engine.complete_remote_prefill(rid, entry.first_token_id, *kv)
         except ValueError as exc:
             logger.warning("KV for %s does not fit: %s", rid, exc)
-            self.parked[rid] = ParkedRequest(parked.reserved_s, parked.num_prompt_tokens, None,
-                                             parked.first_token_id, parked.first_token_s, True)
-            self.send(KVTransferFailed(self.worker_id, rid, "format"))
+            entry.failure = "format"
+            self._fire(rid, KVEvent.KV_BAD)
+            return
+        self._fire(rid, KVEvent.INSTALLED)
 
     def poll_extra(self) -> None:
-        """Match KV that arrived on the inbox thread with parked requests, and report
-        parked requests whose KV failed or did not come within
-        ``kv_transfer_timeout_s`` of their first token."""
+        """Match KV that arrived on the inbox thread with waiting requests, then fire the
+        deadline of every request whose state has lasted too long."""
         if self.inbox is not None:
             while True:
                 try:
                     rid, item = self.inbox.ready.get_nowait()
                 except queue.Empty:
                     break
-                parked = self.parked.get(rid)
-                if parked is None or parked.is_failure_reported:
+                entry = self.remote.get(rid)
+                if entry is None or not entry.accepts_kv:
                     continue  # aborted, resumed or already failed
                 if isinstance(item, str):
-                    parked.is_failure_reported = True
-                    self.send(KVTransferFailed(self.worker_id, rid, item))
+                    entry.failure = item
+                    self._fire(rid, KVEvent.KV_BAD)
                 else:
-                    parked.kv = item
-                    self._try_complete(rid)
-        # The deadline runs from the end of the prefill (the first token's arrival): the
-        # prefill itself may take long on a busy prefill worker, whose death the router's
-        # heartbeats catch.
-        now = time.monotonic()
-        for rid, parked in self.parked.items():
-            if (parked.kv is None and not parked.is_failure_reported
-                    and parked.first_token_s is not None
-                    and now - parked.first_token_s > self.kv_transfer_timeout_s):
-                parked.is_failure_reported = True
-                self.send(KVTransferFailed(self.worker_id, rid, "timeout"))
+                    entry.kv = item
+                    self._fire(rid, KVEvent.KV_COMPLETE)
+                    self._try_install(rid)
+        self.check_kv_deadlines(time.monotonic())
+
+    def check_kv_deadlines(self, now_s: float) -> None:
+        """Fire DEADLINE for each remote request whose state's deadline is before ``now_s``
+        (the receiving state's runs from the first token: the prefill itself may take long
+        on a busy prefill worker, whose death the router's heartbeats catch)."""
+        for rid, entry in list(self.remote.items()):
+            deadline = entry.deadline_s(self.kv_deadlines)
+            if deadline is not None and now_s > deadline:
+                if entry.state in LIVE:
+                    entry.failure = "timeout"
+                self._fire(rid, KVEvent.DEADLINE)
 
     def abort(self, request_id: str) -> None:
-        """Forget a parked request too, so late KV for it is dropped."""
-        self.parked.pop(request_id, None)
+        """Abort a waiting remote request through its lifecycle too (late KV is dropped)."""
+        self._fire(request_id, KVEvent.ABORT)
         super().abort(request_id)
 
     def after_step(self, deltas) -> None:
