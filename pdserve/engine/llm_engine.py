@@ -169,7 +169,8 @@ class LLMEngine:
         return request.num_cached_tokens
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                kv: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
+                                kv: torch.Tensor, scales: torch.Tensor | None = None,
+                                hidden: torch.Tensor | None = None, hidden_start: int = 0) -> bool:
         """Write a parked request's received KV into its blocks and start decoding it.
 
         Args:
@@ -179,6 +180,7 @@ class LLMEngine:
                 blocks this worker had cached are skipped, not overwritten); or, for an FP8
                 cache, float8_e4m3fn codes stored as they are with their ``scales
                 [num_layers, 2, num_blocks, num_kv_heads]`` fp32.
+            hidden: ``[num_prompt_tokens - hidden_start, F]`` its target features (EAGLE's input).
 
         Returns:
             False if the request is unknown or no longer waiting (aborted meanwhile).
@@ -217,6 +219,8 @@ class LLMEngine:
         req.status = RequestStatus.RUNNING
         req.first_scheduled_s = time.monotonic()
         self.scheduler.add_running(req)
+        if hidden is not None and self.proposer is not None:  # the head's state, as if local
+            self.proposer.ingest_prompt(req, hidden, hidden_start, len(self.scheduler.running))
         return True
 
     def resume_locally(self, request_id: str, output_token_ids: list[int]) -> bool:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.kvtransfer.hidden import encode_hidden
 from pdserve.kvtransfer.transport import MAX_KV_MESSAGE_BYTES, KVSender, create_transport
 from pdserve.kvtransfer.wire import encode_kv, sign_header
 
@@ -34,19 +35,33 @@ class KVJob:
             None: ``kv`` holds them all.
         scales: with float8_e4m3fn ``kv`` (an FP8 cache's blocks), their ``[L, 2,
             num_blocks, H]`` fp32 scales: sent as they are, whatever the transfer dtype.
+        hidden_size: width of the hidden section that follows the request's layers (its
+            KV messages announce it); 0: none follows.
+        hidden: the hidden-section job (``kv`` None): the prompt's target hidden states
+            ``[num_tokens - hidden_start, hidden_size]`` (:mod:`pdserve.kvtransfer.hidden`),
+            queued after the request's last layer.
+        hidden_start: the first prompt position in ``hidden``.
     """
 
     request_id: str
-    kv: torch.Tensor
+    kv: torch.Tensor | None
     num_tokens: int
     dest_address: str
     layer_start: int = 0
     num_layers: int | None = None
     scales: torch.Tensor | None = None
+    hidden_size: int = 0
+    hidden: torch.Tensor | None = None
+    hidden_start: int = 0
 
     @property
     def is_last(self) -> bool:
-        """Whether this job holds the request's last layer (its transfer ends here)."""
+        """Whether the request's transfer ends with this job: its hidden section, or
+        (without one) its last layer."""
+        if self.kv is None:
+            return True
+        if self.hidden_size:
+            return False
         total = self.kv.shape[0] if self.num_layers is None else self.num_layers
         return self.layer_start + self.kv.shape[0] >= total
 
@@ -98,13 +113,15 @@ class KVSenderThread:
         return sender
 
     def _push(self, job: KVJob) -> int:
+        if job.hidden is not None:
+            return self._push_hidden(job)
         num_bytes = 0
         use_fp8 = self.use_fp8 or job.scales is not None
         step = layers_per_message(job.kv, use_fp8)
         for start in range(0, job.kv.shape[0], step):
             enc = encode_kv(job.request_id, job.kv[start:start + step],
                             layer_start=job.layer_start + start, num_tokens=job.num_tokens,
-                            use_fp8=use_fp8,
+                            use_fp8=use_fp8, hidden_size=job.hidden_size,
                             scales=None if job.scales is None else job.scales[start:start + step])
             header = enc.header
             if self.cluster_keys is not None:
@@ -113,6 +130,16 @@ class KVSenderThread:
                                                 timeout_s=self.timeout_s)
             num_bytes += enc.header.payload_bytes + enc.header.scale_bytes
         return num_bytes
+
+    def _push_hidden(self, job: KVJob) -> int:
+        """Send a hidden-section job as one message; returns its bytes."""
+        enc = encode_hidden(job.request_id, job.hidden, hidden_start=job.hidden_start,
+                            num_tokens=job.num_tokens)
+        header = enc.header
+        if self.cluster_keys is not None:
+            header = sign_header(header, self.cluster_keys, job.dest_address)
+        self._sender(job.dest_address).send(header, enc.buffers, timeout_s=self.timeout_s)
+        return enc.header.payload_bytes
 
     def _run(self) -> None:
         while True:

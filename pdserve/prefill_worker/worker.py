@@ -6,7 +6,9 @@ A request's blocks are copied out and freed as soon as its prefill finishes, so 
 holds cache memory only while computing; the copy is what the sender thread pushes. KV goes
 layer by layer: in the step that completes a prompt, each layer's blocks are copied and
 queued for the sender as soon as the forward has written that layer, so the transfer of the
-first layers overlaps the compute of the last ones (``LLMEngine.kv_layer_sink``).
+first layers overlaps the compute of the last ones (``LLMEngine.kv_layer_sink``). When decode
+workers draft with EAGLE, the prompt's target hidden states (the head's input) follow the
+layers as the transfer's hidden section (:mod:`.hidden_export`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import time
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.wire import NATIVE_WIRE_DTYPES
 from pdserve.messages import KVSent, PrefillDone, PrefillRequest, RequestFailed
+from pdserve.prefill_worker.hidden_export import PromptHiddenExport
 from pdserve.prefill_worker.kv_sender import KVJob, KVSenderThread
 from pdserve.worker_base import EngineWorker
 from pdserve.worker_metrics import KVTransferTotals
@@ -32,6 +36,15 @@ class PrefillWorker(EngineWorker):
         kv_transport: transport name used to push KV.
         kv_transfer_dtype: "fp8" (e4m3 with scales) or "auto" (the cache dtype, exact).
         kv_transfer_timeout_s: deadline for one KV message.
+        hidden_layers: send each prompt's target hidden states with its KV, for decode
+            workers' EAGLE heads: the target layers whose inputs an EAGLE-3 head fuses, or
+            () for the final hidden states (EAGLE-1/2); None: send none.
+        hidden_dtype: their wire dtype, "bfloat16", "float16", "float32" or "auto" (the
+            model's).
+
+    Raises:
+        ValueError: a bad ``kv_transfer_dtype`` or ``hidden_dtype``, or an engine that
+            has a proposer (a prefill worker drafts nothing).
     """
 
     role = "prefill"
@@ -39,12 +52,18 @@ class PrefillWorker(EngineWorker):
     def __init__(self, engine: LLMEngine, router_address: str, worker_id: str,
                  model_name: str, heartbeat_interval_s: float = 1.0,
                  kv_transport: str = "zmq", kv_transfer_dtype: str = "fp8",
-                 kv_transfer_timeout_s: float = 10.0, cluster_keys=None) -> None:
+                 kv_transfer_timeout_s: float = 10.0, cluster_keys=None,
+                 hidden_layers: tuple[int, ...] | None = None,
+                 hidden_dtype: str = "bfloat16") -> None:
         super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s,
                          cluster_keys)
         if kv_transfer_dtype not in ("fp8", "auto"):
             raise ValueError(f"kv_transfer_dtype must be 'fp8' or 'auto', got "
                              f"{kv_transfer_dtype!r}")
+        self.hidden = None
+        if hidden_layers is not None:
+            self.hidden = _hidden_export(engine, hidden_layers, hidden_dtype)
+            self.engine.proposer = self.hidden  # called after every step with its hidden
         self.sender = KVSenderThread(kv_transport, kv_transfer_dtype == "fp8",
                                      kv_transfer_timeout_s, self._on_sent, cluster_keys)
         self.pending: dict[str, tuple[PrefillRequest, float]] = {}
@@ -61,7 +80,12 @@ class PrefillWorker(EngineWorker):
             return  # aborted, or the first token is all it wants (no decode worker waits)
         self.sender.submit(KVJob(request_id, kv, num_tokens, entry[0].dest_kv_address,
                                  layer_start=layer, num_layers=self.engine.arch.num_layers,
-                                 scales=scales))
+                                 scales=scales, hidden_size=self._hidden_size))
+
+    @property
+    def _hidden_size(self) -> int:
+        """Width of the hidden section this worker's transfers carry (0: none)."""
+        return 0 if self.hidden is None else self.hidden.width
 
     def handle(self, msg) -> None:
         """Start a :class:`PrefillRequest` with its KV exported, or report why the
@@ -80,6 +104,8 @@ class PrefillWorker(EngineWorker):
     def abort(self, request_id: str) -> None:
         """Forget a pending prefill too, so none of its KV is pushed."""
         self.pending.pop(request_id, None)
+        if self.hidden is not None:
+            self.hidden.pop(request_id)
         super().abort(request_id)
 
     def after_step(self, deltas: list[RequestDelta]) -> None:
@@ -88,6 +114,7 @@ class PrefillWorker(EngineWorker):
         for delta in deltas:
             entry = self.pending.pop(delta.request_id, None)
             kv = self.engine.pop_exported_kv(delta.request_id)
+            hidden = None if self.hidden is None else self.hidden.pop(delta.request_id)
             if entry is None:
                 continue
             msg, start = entry
@@ -100,9 +127,16 @@ class PrefillWorker(EngineWorker):
                 num_cached_tokens=delta.num_cached_tokens, queue_time_s=delta.queue_time_s)
             self.send(PrefillDone(self.worker_id, first, time.monotonic() - start))
             self.num_requests_served += 1
+            num_tokens = len(msg.prompt_token_ids)
+            # layers went during the forward (kv_layer_sink), or go now as one copy
+            is_kv_sent = kv is None and msg.sampling_params.max_tokens != 1
             if not is_natural_end and kv is not None:
-                self.sender.submit(KVJob(delta.request_id, kv, len(msg.prompt_token_ids),
-                                         msg.dest_kv_address))
+                self.sender.submit(KVJob(delta.request_id, kv, num_tokens, msg.dest_kv_address,
+                                         hidden_size=self._hidden_size))
+                is_kv_sent = True
+            if is_kv_sent and hidden is not None:  # the hidden section their headers announced
+                self.sender.submit(KVJob(delta.request_id, None, num_tokens, msg.dest_kv_address,
+                                         hidden_start=hidden[0], hidden=hidden[1]))
 
     def _on_sent(self, request_id: str, num_bytes: int, seconds: float,
                  error: str | None, push_s: float) -> None:
@@ -122,6 +156,22 @@ class PrefillWorker(EngineWorker):
     def close(self) -> None:
         """Stop the KV sender thread (it pushes the jobs already queued first, for up to 5 s)."""
         self.sender.close()
+
+
+def _hidden_export(engine: LLMEngine, hidden_layers: tuple[int, ...],
+                   hidden_dtype: str) -> PromptHiddenExport:
+    """The collector of prompt hidden states (``hidden_dtype`` "auto": the model's dtype)."""
+    if engine.proposer is not None:
+        raise ValueError("a prefill worker drafts nothing: its engine must have no proposer "
+                         "to send prompt hidden states")
+    if hidden_dtype == "auto":
+        dtype = engine.runner.dtype
+    elif hidden_dtype in NATIVE_WIRE_DTYPES:
+        dtype = NATIVE_WIRE_DTYPES[hidden_dtype]
+    else:
+        raise ValueError(f"hidden_dtype must be one of {[*NATIVE_WIRE_DTYPES, 'auto']}, got "
+                         f"{hidden_dtype!r}")
+    return PromptHiddenExport(hidden_layers, engine.arch.hidden_size, dtype)
 
 
 def _first_token_ends_request(delta: RequestDelta, params: SamplingParams) -> bool:

@@ -7,13 +7,17 @@ it ingests, for each request, the positions the step computed and the target acc
 (their features are in this step's hidden states), then chains on its own predicted
 features for the remaining drafts.
 
-Its one-layer K/V lives in the target's blocks (see :mod:`.model_proposer`). Positions the
-head never saw with a target feature (a prefix-cache hit, a prompt whose K/V came from a
-prefill worker) keep whatever those slots held: drafts get worse there, never the output.
+Its one-layer K/V lives in the target's blocks (see :mod:`.model_proposer`). A prompt whose
+K/V came from a prefill worker comes with its features (the transfer's hidden section), and
+:meth:`EagleProposer.ingest_prompt` runs the head over it as a local prefill would. Positions
+the head never saw with a target feature (a prefix-cache hit on blocks that arrived without
+them, a transfer without a hidden section) keep whatever those slots held: drafts get worse
+there, never the output.
 """
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 from pathlib import Path
 
@@ -22,9 +26,14 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
+from pdserve.engine.model_runner import StepHidden
 from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode.eagle import load_eagle_model
+from pdserve.engine.spec_decode.eagle_config import EagleConfig
 from pdserve.engine.spec_decode.model_proposer import ModelProposer, _Draft
+
+logger = logging.getLogger(__name__)
 
 
 #: ``--speculative-model default``: the EAGLE head shipped for the embedded default model
@@ -38,6 +47,18 @@ def eagle_head_path(name: str) -> Path:
         return Path(str(resources.files("pdserve.data").joinpath("eagle",
                                                                  "smollm2-135m-instruct")))
     return Path(name)
+
+
+def eagle_feature_layers(name: str, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers whose inputs the head ``name`` (``--speculative-model``) reads as
+    its features (EAGLE-3; empty: the final hidden states), from its config.json alone (a
+    prefill worker sending a prompt's features loads no head).
+
+    Raises:
+        FileNotFoundError / ValueError: no head folder there, or a bad config.json.
+    """
+    cfg = EagleConfig.from_dir(eagle_head_path(name))
+    return tuple(type(cfg).resolve_aux_layer_ids(cfg.aux_layer_ids, num_target_layers))
 
 
 class EagleProposer(ModelProposer):
@@ -57,6 +78,7 @@ class EagleProposer(ModelProposer):
                          model.num_layers, model.num_kv_heads, model.head_dim)
         self.model = model
         self.target_aux_layer_ids = tuple(model.aux_layer_ids)  # eagle3: fused layers
+        self.disable_batch_size = config.spec_disable_batch_size  # 0: draft at any batch size
 
     def _plan_ingest(self, request: Request, sched_index: int | None) -> _Draft | None:
         if sched_index is None:
@@ -70,6 +92,45 @@ class EagleProposer(ModelProposer):
         first_row = step.query_starts[sched_index] + start - computed_before
         return _Draft(request, 0, start, end, request.token_ids[start + 1:end + 1],
                       list(range(first_row, first_row + end - start)))
+
+    def ingest_prompt(self, request: Request, hidden: torch.Tensor, hidden_start: int,
+                      num_running: int) -> bool:
+        """Run the head over a remotely prefilled prompt as the step that prefilled it here
+        would have: ingest positions ``[max(cached, hidden_start), num_prompt_tokens)`` (a
+        local prefill skips its prefix-cache hits too), then draft unless ``num_running``
+        (the engine's running requests) reached ``spec_disable_batch_size``.
+
+        Args:
+            request: just installed: its prompt computed, its first token appended.
+            hidden: ``[num_prompt_tokens - hidden_start, F]`` the target features of prompt
+                positions ``hidden_start ..`` (``F``: hidden_size, times the fused layers of
+                EAGLE-3), any float dtype (cast to the model's).
+            hidden_start: the first prompt position in ``hidden``.
+
+        Returns:
+            False, doing nothing, when ``hidden`` does not fit the request or this head (the
+            head then lacks the prompt, as without it; the output is the same either way).
+        """
+        num_prompt = request.num_prompt_tokens
+        width = self.runner.arch.hidden_size * max(1, len(self.target_aux_layer_ids))
+        if (tuple(hidden.shape) != (num_prompt - hidden_start, width)
+                or request.num_computed_tokens != num_prompt):
+            logger.warning("request %s: prompt hidden states %s do not fit %d prompt tokens "
+                           "from %d x %d features; the EAGLE head skips them",
+                           request.request_id, tuple(hidden.shape), num_prompt, hidden_start,
+                           width)
+            return False
+        start = max(request.num_cached_tokens, hidden_start, request.num_draft_computed)
+        if start >= num_prompt:
+            return True
+        request.num_draft_computed = start
+        # the prompt as one step whose hidden rows are positions start .. num_prompt - 1
+        step = StepHidden(hidden[start - hidden_start:].to(self.runner.device, self.runner.dtype),
+                          [0], [start])
+        cap = self.disable_batch_size
+        self.propose(SchedulerOutput([ScheduledRequest(request, num_prompt - start)]), [request],
+                     step, allow_drafts=not cap or num_running < cap)
+        return True
 
     def _last_draft_position(self, request: Request, num_drafts: int) -> int:
         # ingest reaches position T - 2; drafts 1 .. n-1 are fed at T - 1 .. T + n - 3

@@ -22,6 +22,11 @@ class HistoryProposer:
         self.max_model_len = max_model_len
         self.target_aux_layer_ids: tuple[int, ...] = ()
 
+    def ingest_prompt(self, request: Request, hidden, hidden_start: int,
+                      num_running: int) -> bool:
+        """Ignored (drafts come from tokens alone): returns False."""
+        return False
+
     def propose(self, sched, live_requests: list[Request], step_hidden=None,
                 allow_drafts: bool = True) -> None:
         """Point-mass drafts (``spec_draft_probs`` None) for every decoding request."""

@@ -109,6 +109,10 @@ class ModelProposer:
     def _after_propose(self, draft: _Draft, tokens: list[int]) -> None:
         """Bookkeeping after ``draft.request`` got ``tokens``."""
 
+    def ingest_prompt(self, request: Request, hidden, hidden_start: int, num_running: int) -> bool:
+        """A remote prompt's hidden states: EAGLE's input (its override); others ignore them."""
+        return False
+
     # -- the proposal ----------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, sched, live_requests: list[Request], step_hidden=None,

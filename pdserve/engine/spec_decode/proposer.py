@@ -70,6 +70,16 @@ class SpecProposer(Protocol):
         """
         ...
 
+    def ingest_prompt(self, request: Request, hidden, hidden_start: int,
+                      num_running: int) -> bool:
+        """Take a remotely prefilled prompt's target hidden states (``[num_prompt_tokens -
+        hidden_start, F]``, the features of positions ``hidden_start ..``), right after
+        its KV was installed, so the drafter's state is what a local prefill leaves
+        (EAGLE), and draft as after a step: only while ``num_running`` (the engine's running
+        requests, this one included) is below ``spec_disable_batch_size``. Returns whether
+        it used them (False: this proposer reads no hidden states, or they do not fit)."""
+        ...
+
 
 def max_num_drafts(request: Request, num_speculative_tokens: int, max_model_len: int) -> int:
     """How many draft tokens ``request`` may get now (0: decode it plainly).
