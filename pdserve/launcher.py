@@ -93,6 +93,7 @@ def build_server_state(args: argparse.Namespace, router_address: str, cluster_ke
         router=router, tokenizer=tokenizer, model_name=name,
         default_max_model_len=args.max_model_len or arch.max_position_embeddings,
         metrics=metrics, api_key=api_key, tool_parser=args.tool_call_parser,
+        scrape_worker_metrics=args.worker_metrics,
     )
 
 
@@ -259,11 +260,14 @@ def check_port_free(host: str, port: int, reuse_port: bool = False) -> None:
 def _start_workers(args: argparse.Namespace, engine_argv: list[str], router_address: str,
                    keys) -> list[SupervisedWorker]:
     """Start ``serve``'s decode then prefill workers, each in a slot that can start it again
-    (same command line, a new worker id)."""
+    (same command line, a new worker id); with ``--worker-metrics`` (the default) each serves
+    its own ``/metrics`` on a free loopback port, which the API server merges into its own."""
     num_prefill = 0 if args.colocated else args.num_prefill
     num_decode = 1 if args.colocated else args.num_decode
     kv_argv = ["--kv-transport", args.kv_transport,
                "--kv-transfer-timeout", str(args.kv_transfer_timeout)]
+    if args.worker_metrics:  # each serves its /metrics on a free loopback port
+        kv_argv += ["--metrics-host", "127.0.0.1", "--metrics-port", "0"]
     prefill_plans, decode_plans = plan_worker_cpus(
         available_cpus(), num_prefill, num_decode, args.prefill_cpus, args.decode_cpus)
     slots = []
@@ -332,7 +336,7 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.worker_metrics import WorkerMetricsServer
 
-    if not 0 <= args.metrics_port < 65536:
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     role = "decode" if args.command == "decode-worker" else "prefill"
     keys = cluster_keys_from_args(args)  # before loading: a missing secret fails fast
@@ -352,13 +356,14 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     worker = make_worker(engine, worker_id, name, keys)
     worker.drain_s = args.shutdown_grace_period
     metrics_server = None
-    if args.metrics_port:
+    if args.metrics_port is not None:
         try:
             metrics_server = WorkerMetricsServer(worker, args.metrics_host, args.metrics_port)
         except OSError as exc:
             worker.close()
             raise ValueError(f"cannot serve /metrics on {args.metrics_host}:"
                              f"{args.metrics_port}: {exc.strerror}") from None
+        worker.metrics_address = metrics_server.url  # the router learns it at registration
     try:
         worker.run()
     finally:

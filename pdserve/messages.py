@@ -30,6 +30,9 @@ class RegisterWorker(msgspec.Struct, tag="register"):
     pid: int
     kv_address: str | None = None  # where a decode worker receives pushed KV
     kv_transport: str | None = None
+    #: the worker's own Prometheus endpoint (``http://HOST:PORT/metrics``), None if it
+    #: serves none; ``pdserve serve``'s API server merges it into its ``/metrics``
+    metrics_address: str | None = None
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack"):

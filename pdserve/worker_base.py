@@ -85,6 +85,8 @@ class EngineWorker:
         self.draining = False
         self.drain_s = DEFAULT_DRAIN_S
         self.num_requests_served = 0
+        #: where this worker's /metrics is served, sent with its registration (None: not)
+        self.metrics_address: str | None = None
         # run()'s clocks (time.monotonic()): its start and the end of a drain
         self._run_started_s = 0.0
         self._drain_until_s = 0.0
@@ -135,7 +137,7 @@ class EngineWorker:
             worker_id=self.worker_id, role=self.role, model_name=self.model_name,
             max_model_len=self.engine.max_model_len, block_size=self.engine.config.block_size,
             num_kv_blocks=self.engine.block_manager.num_blocks, pid=os.getpid(),
-            **self.registration_extras(),
+            metrics_address=self.metrics_address, **self.registration_extras(),
         ), block=False)
 
     def load(self) -> Heartbeat:

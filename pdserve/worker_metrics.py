@@ -10,6 +10,7 @@ so a dashboard tells the two apart by the ``role`` label, which only workers set
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,6 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from pdserve.messages import Heartbeat
+
+#: ``--metrics-host`` values that bind every interface (not an address to connect to).
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,7 @@ class WorkerMetricsServer:
     Args:
         worker: the worker to report on.
         host: address to bind.
-        port: TCP port (1..65535).
+        port: TCP port (1..65535; 0: a free one, see :attr:`port`).
 
     Raises:
         OSError: the port cannot be bound.
@@ -168,6 +172,12 @@ class WorkerMetricsServer:
         self.registry.register(WorkerCollector(worker))
         self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
         self.port = self._httpd.server_port
+        #: the address to give the router: ``host`` as bound, or this machine's name when
+        #: bound to every interface (``0.0.0.0``, ``::``)
+        advertised = socket.gethostname() if host in WILDCARD_HOSTS else host
+        if ":" in advertised:
+            advertised = f"[{advertised}]"
+        self.url = f"http://{advertised}:{self.port}/metrics"
 
     def close(self) -> None:
         """Stop serving and release the port."""

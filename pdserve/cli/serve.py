@@ -218,6 +218,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="cores every prefill worker runs on, one torch thread each (default: "
                         "the available cores split among the prefill workers, with one "
                         "thread fewer than cores when decode workers share them)")
+    p.add_argument("--no-worker-metrics", dest="worker_metrics", action="store_false",
+                   help="leave the workers' own series out of /metrics (by default each "
+                        "worker serves them on a free loopback port and /metrics adds them, "
+                        "labelled worker=<worker id>)")
     _add_supervision_args(p)
     add_routing_args(p)
     _add_kv_args(p, "serve")
@@ -238,6 +242,11 @@ def add_server_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reuse-port", action="store_true",
                    help="bind --port with SO_REUSEPORT, so several API servers on this "
                         "host share it (the kernel spreads connections over them)")
+    p.add_argument("--worker-metrics", action="store_true",
+                   help="/metrics also carries the series of every worker that serves its "
+                        "own (--metrics-port), fetched on each scrape and labelled "
+                        "worker=<worker id>; off by default, where Prometheus scrapes the "
+                        "workers itself (compose, Kubernetes)")
     add_routing_args(p)
     _add_auth_args(p)
     p.set_defaults(func=_cmd_server)
@@ -260,8 +269,10 @@ def add_worker_parsers(sub: argparse._SubParsersAction) -> None:
                             "counts as one router at each")
         p.add_argument("--worker-id", default=None, help="unique worker name (default: "
                        "role-host-pid)")
-        p.add_argument("--metrics-port", type=int, default=0,
-                       help="serve this worker's Prometheus /metrics on this port (0: off)")
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help="serve this worker's Prometheus /metrics on this port (0: a free "
+                            "one; default: none); the worker tells the router where, so an "
+                            "API server with --worker-metrics shows its series too")
         p.add_argument("--metrics-host", default="127.0.0.1",
                        help="address the /metrics server binds")
         p.add_argument("--cpus", type=_cpu_list, default=None,

@@ -20,6 +20,7 @@ from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
 from pdserve.server.serving_tokenize import detokenize, tokenize
 from pdserve.server.state import ServerState
+from pdserve.server.worker_scrape import WorkerMetricsScraper, render_merged
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ def build_app(state: ServerState) -> FastAPI:
         await state.router.start()
         yield
         await state.router.stop()
+        if state.worker_scraper is not None:
+            await state.worker_scraper.aclose()
 
     app = FastAPI(title="pdserve", version=__version__, lifespan=lifespan)
     app.state.pdserve = state
@@ -186,12 +189,14 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(_scrape_metrics(state), media_type="text/plain; version=0.0.4")
+        return Response(await _scrape_metrics(state),
+                        media_type="text/plain; version=0.0.4")
 
 
-def _scrape_metrics(state: ServerState) -> bytes:
+async def _scrape_metrics(state: ServerState) -> bytes:
     """Fill the per-worker and load gauges from the alive workers' last heartbeats, then
-    render every series in the Prometheus text format."""
+    render every series in the Prometheus text format; with ``scrape_worker_metrics``, the
+    workers' own series merged in (:mod:`pdserve.server.worker_scrape`)."""
     workers = state.router.alive_workers()
     state.metrics.set_worker_load(workers)
     state.metrics.add_spec_decode_counts(workers)
@@ -200,4 +205,11 @@ def _scrape_metrics(state: ServerState) -> bytes:
     usage = max((lo.kv_cache_usage for lo in loads), default=0.0)
     state.metrics.set_load(sum(lo.num_running for lo in loads),
                            sum(lo.num_waiting for lo in loads), usage)
-    return state.metrics.render()
+    if not state.scrape_worker_metrics:
+        return state.metrics.render()
+    if state.worker_scraper is None:
+        state.worker_scraper = WorkerMetricsScraper(state.metrics.observe_worker_scrape_failure)
+    families = await state.worker_scraper.families(
+        {w.worker_id: w.info.metrics_address for w in state.router.alive_workers()
+         if w.info.metrics_address})
+    return render_merged(state.metrics.registry.collect(), families)

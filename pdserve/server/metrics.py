@@ -189,6 +189,10 @@ class ServerMetrics:
         self.worker_requests_served = Gauge(
             "pdserve:worker_requests_served", "Requests each worker reports it finished "
             "(prefills for prefill workers).", wl, registry=r)
+        self.worker_metrics_scrape_failures = Counter(
+            "pdserve:worker_metrics_scrape_failures", "Fetches of a worker's own /metrics "
+            "that failed (no answer in time, an error status, unreadable); its series are "
+            "missing from that scrape.", _MODEL_LABEL + ("worker",), registry=r)
 
     def set_worker_load(self, workers) -> None:
         """Per-worker gauges from the registry's alive workers (``WorkerInfo`` objects)."""
@@ -203,6 +207,10 @@ class ServerMetrics:
                 self.worker_num_requests_running.labels(*key).set(w.load.num_running)
                 self.worker_kv_cache_usage_perc.labels(*key).set(w.load.kv_cache_usage)
                 self.worker_requests_served.labels(*key).set(w.load.num_requests_served)
+
+    def observe_worker_scrape_failure(self, worker_id: str) -> None:
+        """Count one failed fetch of the ``/metrics`` of worker ``worker_id``."""
+        self.worker_metrics_scrape_failures.labels(self.model_name, worker_id).inc()
 
     def observe_worker_restart(self, role: str) -> None:
         """Count one restart of a worker of ``role`` ("decode" / "prefill")."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.router.router import Router
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.worker_scrape import WorkerMetricsScraper
 
 
 @dataclass
@@ -25,6 +26,9 @@ class ServerState:
         tool_parser: name of the tool-call parser (``pdserve.server.tools.parsers``).
         draining: set on SIGTERM: new requests get 503 with ``Retry-After``, in-flight ones
             finish (see :func:`pdserve.launcher.DrainingServer`).
+        scrape_worker_metrics: ``/metrics`` adds the series of every worker that registered
+            its own endpoint (:mod:`pdserve.server.worker_scrape`).
+        worker_scraper: what fetches them, made on the first scrape that needs it.
     """
 
     router: Router
@@ -36,6 +40,8 @@ class ServerState:
     max_n: int = 16
     tool_parser: str = "hermes"
     draining: bool = False
+    scrape_worker_metrics: bool = False
+    worker_scraper: WorkerMetricsScraper | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     system_fingerprint: str = "pdserve-0.1.0"
 
