@@ -29,7 +29,8 @@ def test_prefill_rate_is_the_marginal_rate_beyond_a_decode_step():
 
     def step(num_prefill: int) -> None:
         req = Request("r", list(range(100)), SamplingParams(), 4, (0,), torch.device("cpu"))
-        sched = SchedulerOutput([ScheduledRequest(req, num_prefill)] if num_prefill else [])
+        sched = SchedulerOutput([ScheduledRequest(req, num_prefill)] if num_prefill else [],
+                                num_prefill_tokens=num_prefill)
         stats.observe(sched, idle, 0.010 + 0.0005 * num_prefill)
 
     step(300)  # the first step is not measured (one-time costs)

@@ -51,11 +51,16 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """What one step computes; decodes (one new token) come first."""
+    """What one step computes; decodes (one new token) come first.
+
+    ``num_prefill_tokens`` counts the prompt (or recomputed) tokens the step runs, a
+    one-token prefill that rides the decode path (counted in ``num_decodes``) included.
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_decodes: int = 0
     preempted: list[Request] = field(default_factory=list)
+    num_prefill_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -172,6 +177,7 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             out.scheduled.append(ScheduledRequest(req, num_new))
+            out.num_prefill_tokens += num_new
             budget -= num_new
         return budget
 
@@ -197,6 +203,7 @@ class Scheduler:
             if num_new == 1 and out.num_decodes == len(out.scheduled):  # no verifying ones
                 out.num_decodes += 1  # a one-token prefill can ride the decode path
             out.scheduled.append(scheduled)
+            out.num_prefill_tokens += num_new
             budget -= num_new
 
     def finish(self, request: Request, status: RequestStatus) -> None:

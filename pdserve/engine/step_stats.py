@@ -52,7 +52,7 @@ class PrefillStats:
     def observe(self, sched: SchedulerOutput, scheduler: Scheduler, step_s: float) -> None:
         """Fold in one step that ran ``sched`` in ``step_s`` seconds (after the scheduler
         advanced its requests)."""
-        num_prefill = sum(s.num_new_tokens for s in sched.scheduled[sched.num_decodes:])
+        num_prefill = sched.num_prefill_tokens
         self.num_prefill_tokens_computed += num_prefill
         if self._is_first_step:
             self._is_first_step = False
