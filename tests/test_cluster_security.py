@@ -311,8 +311,8 @@ def test_kv_pushes_without_the_cluster_token_are_dropped_before_any_block(transp
                               transport], capture_output=True, text=True, timeout=120,
                              env=env)
         assert out.returncode == 0, out.stderr
-        rid, (kv, scales) = inbox.ready.get(timeout=30)
-        assert rid == "r1" and kv.shape == (2, 2, 1, 16, 3, 64)
+        rid, (kv, scales, hidden, _) = inbox.ready.get(timeout=30)
+        assert rid == "r1" and kv.shape == (2, 2, 1, 16, 3, 64) and hidden is None
         wait_for(lambda: inbox.num_dropped == 4, 10, "four pushes dropped")
         assert inbox.ready.empty()
     finally:

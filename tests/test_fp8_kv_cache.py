@@ -219,7 +219,8 @@ def test_fp8_cache_blocks_stream_over_the_wire_as_stored(tiny_llama_checkpoint):
         sender.close()
         inbox.close()
     for i, p in enumerate(prompts):
-        kv, scales = received[f"r{i}"]
+        kv, scales, hidden, _ = received[f"r{i}"]
+        assert hidden is None  # no hidden section was announced
         assert kv.dtype == torch.float8_e4m3fn and scales is not None
         assert decode.complete_remote_prefill(f"r{i}", first[f"r{i}"][0], kv, scales)
         n = decode.block_manager.num_blocks_for(len(p))

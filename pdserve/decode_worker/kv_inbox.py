@@ -1,5 +1,7 @@
 """Receiving side of pushed KV: a thread that takes messages off the transport, verifies
-them, dequantizes into the cache dtype and assembles each request's layers.
+them, dequantizes into the cache dtype and assembles each request's layers, and the
+transfer's hidden section (the prompt's hidden states for an EAGLE head) when its KV
+messages announce one: a request is ready once both are here.
 
 The engine's cache is only written by the worker's main thread
 (:meth:`LLMEngine.complete_remote_prefill`), so an abort racing a transfer can never make
@@ -18,8 +20,9 @@ import torch
 from pdserve.fp8 import dequantize_blocks
 from pdserve.kvtransfer.addressing import replace_tcp_host
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError, KVTransferTimeout
+from pdserve.kvtransfer.hidden import DecodedHidden, decode_hidden
 from pdserve.kvtransfer.transport import MAX_KV_MESSAGE_BYTES, KVReceiverConfig, create_transport
-from pdserve.kvtransfer.wire import header_is_authentic
+from pdserve.kvtransfer.wire import SECTION_HIDDEN, header_is_authentic
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +53,13 @@ class KVInbox:
             for this receiver (:func:`~pdserve.kvtransfer.wire.sign_header`) is dropped
             unread, before any block is written.
 
-    ``ready`` yields ``(request_id, (kv, scales))`` with ``kv`` a
+    ``ready`` yields ``(request_id, (kv, scales, hidden, hidden_start))`` with ``kv`` a
     ``[num_layers, 2, num_blocks, block_size, H, D]`` tensor in ``cache_dtype`` and
     ``scales`` None, or (``keep_fp8``) float8_e4m3fn codes with ``[num_layers, 2,
-    num_blocks, H]`` fp32 ``scales``; or ``(request_id, reason)`` with ``reason``
-    "checksum" or "format" when a message was bad.
+    num_blocks, H]`` fp32 ``scales``; ``hidden`` the hidden section's ``[num_tokens -
+    hidden_start, hidden_size]`` rows in their wire dtype, or None (the transfer had none);
+    or ``(request_id, reason)`` with ``reason`` "checksum" or "format" when a message was
+    bad (a hidden section that does not match its KV's announcement included).
     """
 
     def __init__(self, transport_name: str, num_layers: int, cache_dtype: torch.dtype,
@@ -72,14 +77,17 @@ class KVInbox:
         self.cache_dtype = cache_dtype
         self.stale_after_s = stale_after_s
         self.keep_fp8 = keep_fp8
-        self.ready: queue.Queue[
-            tuple[str, tuple[torch.Tensor, torch.Tensor | None] | str]] = queue.Queue()
+        self.ready: queue.Queue[tuple[str, tuple | str]] = queue.Queue()
         self.num_bytes_received = 0
         self.expects = expects
         #: messages dropped unread: no reservation for their request, or too large for it
         self.num_dropped = 0
         # request id -> (kv, scales or None, layers received, last touched)
         self._partial: dict[str, tuple[torch.Tensor, torch.Tensor | None, int, float]] = {}
+        # request id -> (kv, scales, announced hidden_size, num_tokens, last touched): every
+        # layer here, its hidden section not yet; request id -> (hidden section, touched)
+        self._kv_done: dict[str, tuple[torch.Tensor, torch.Tensor | None, int, int, float]] = {}
+        self._hidden: dict[str, tuple[DecodedHidden, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-inbox", daemon=True)
         self._thread.start()
@@ -104,19 +112,22 @@ class KVInbox:
                 if not self._is_reserved(msg.header):
                     continue
                 try:
-                    decoded = msg.decode()
-                    self._add(rid, decoded)
+                    if msg.header.section == SECTION_HIDDEN:
+                        self._add_hidden(rid, decode_hidden(msg.header, msg.payload,
+                                                            msg.scales))
+                    else:
+                        self._add(rid, msg.decode())
                 except KVChecksumError:
                     logger.warning("KV for %s failed its checksum", rid)
-                    self._partial.pop(rid, None)
+                    self._forget(rid)
                     self.ready.put((rid, "checksum"))
                 except (KVFormatError, ValueError) as exc:
                     logger.warning("bad KV message for %s: %s", rid, exc)
-                    self._partial.pop(rid, None)
+                    self._forget(rid)
                     self.ready.put((rid, "format"))
                 except Exception:  # the receive loop must outlive any one message
                     logger.exception("failed to store KV for %s", rid)
-                    self._partial.pop(rid, None)
+                    self._forget(rid)
                     self.ready.put((rid, "format"))
 
     def _is_reserved(self, header) -> bool:
@@ -129,8 +140,9 @@ class KVInbox:
             num_tokens = self.expects(header.request_id)
             if num_tokens is None:
                 why = "no blocks reserved for it"
-            elif header.num_tokens > num_tokens or \
-                    header.num_blocks > -(-num_tokens // header.block_size):
+            elif header.num_tokens > num_tokens or (header.block_size and  # hidden: none
+                                                     header.num_blocks
+                                                     > -(-num_tokens // header.block_size)):
                 why = f"larger than its {num_tokens}-token reservation"
         if why is None:
             return True
@@ -174,20 +186,59 @@ class KVInbox:
         num_done += h.layer_end - h.layer_start
         if num_done >= self.num_layers:
             self._partial.pop(rid, None)
-            self.ready.put((rid, (full, full_scales)))
+            self._kv_done[rid] = (full, full_scales, h.hidden_size, h.num_tokens,
+                                  time.monotonic())
+            self._put_ready(rid)
         else:
             self._partial[rid] = (full, full_scales, num_done, time.monotonic())
 
     def discard(self, request_id: str) -> None:
-        """Drop the layers received so far for ``request_id`` (any thread; its later
-        messages are dropped by ``expects``)."""
-        self._partial.pop(request_id, None)
+        """Drop the layers (and hidden section) received so far for ``request_id`` (any
+        thread; its later messages are dropped by ``expects``)."""
+        self._forget(request_id)
+
+    def _add_hidden(self, rid: str, decoded: DecodedHidden) -> None:
+        """Keep a hidden section (a copy: the receive buffer is reused) until its KV is here."""
+        if rid in self._hidden:
+            raise KVFormatError("a second hidden section for the request")
+        self.num_bytes_received += decoded.header.payload_bytes
+        copy = DecodedHidden(decoded.header, decoded.features.clone())
+        self._hidden[rid] = (copy, time.monotonic())
+        self._put_ready(rid)
+
+    def _put_ready(self, rid: str) -> None:
+        """Hand a request on once every layer and the hidden section they announced (if
+        any) are here. Raises KVFormatError: the section does not match the announcement."""
+        done = self._kv_done.get(rid)
+        if done is None:
+            return
+        kv, scales, hidden_size, num_tokens, _ = done
+        if hidden_size == 0:
+            del self._kv_done[rid]
+            self.ready.put((rid, (kv, scales, None, 0)))
+            return
+        if rid not in self._hidden:
+            return
+        del self._kv_done[rid]
+        hidden = self._hidden.pop(rid)[0]
+        h = hidden.header
+        if (h.hidden_size, h.num_tokens) != (hidden_size, num_tokens):
+            raise KVFormatError(f"hidden section of {h.num_tokens} tokens x {h.hidden_size} "
+                                f"for KV of {num_tokens} tokens announcing {hidden_size}")
+        self.ready.put((rid, (kv, scales, hidden.features, hidden.hidden_start)))
+
+    def _forget(self, rid: str) -> None:
+        """Drop whatever arrived for ``rid`` (a bad message ended its transfer)."""
+        self._partial.pop(rid, None)
+        self._kv_done.pop(rid, None)
+        self._hidden.pop(rid, None)
 
     def _drop_stale(self) -> None:
         now = time.monotonic()
-        for rid, (_, _, _, touched) in list(self._partial.items()):
-            if now - touched > self.stale_after_s:
-                del self._partial[rid]
+        for parts in (self._partial, self._kv_done, self._hidden):
+            for rid, entry in list(parts.items()):
+                if now - entry[-1] > self.stale_after_s:
+                    del parts[rid]
 
     def close(self) -> None:
         """Stop the receiving thread (waiting up to 2 s for it), then close the receiver

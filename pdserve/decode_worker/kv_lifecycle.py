@@ -130,7 +130,9 @@ class RemoteKV:
     Attributes:
         num_prompt_tokens: tokens whose KV the reservation holds blocks for.
         state: the current :class:`KVState`; ``entered_s`` its ``time.monotonic()`` entry.
-        kv: the received ``(kv, FP8 scales or None)`` once complete (see KVInbox.ready).
+        kv: the received ``(kv, FP8 scales or None, hidden or None, hidden_start)`` once
+            complete (see KVInbox.ready), the arguments after the first token of
+            ``LLMEngine.complete_remote_prefill``.
         first_token_id: P's first token once forwarded.
         failure: why it failed ("timeout", "checksum", "format"), once FAILED.
     """
@@ -138,7 +140,7 @@ class RemoteKV:
     num_prompt_tokens: int
     state: KVState = KVState.RESERVED
     entered_s: float = field(default_factory=time.monotonic)
-    kv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    kv: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int] | None = None
     first_token_id: int | None = None
     failure: str | None = None
 
