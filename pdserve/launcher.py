@@ -273,7 +273,9 @@ def _start_workers(args: argparse.Namespace, engine_argv: list[str], router_addr
     slots = []
     for role, plans, role_argv in (
             ("decode", decode_plans, []),
-            ("prefill", prefill_plans, ["--kv-transfer-dtype", args.kv_transfer_dtype])):
+            ("prefill", prefill_plans, ["--kv-transfer-dtype", args.kv_transfer_dtype,
+                                        "--kv-transfer-hidden-dtype",
+                                        args.kv_transfer_hidden_dtype])):
         for i, plan in enumerate(plans):
             start = functools.partial(spawn_worker, f"{role}-worker", args.model, router_address,
                                       engine_argv + kv_argv + plan.argv() + role_argv,
@@ -393,4 +395,6 @@ def run_prefill_worker(args: argparse.Namespace) -> int:
     return _run_worker(args, lambda engine, worker_id, name, keys: PrefillWorker(
         engine, args.router, worker_id, name, kv_transport=args.kv_transport,
         kv_transfer_dtype=args.kv_transfer_dtype,
-        kv_transfer_timeout_s=args.kv_transfer_timeout, cluster_keys=keys))
+        kv_transfer_timeout_s=args.kv_transfer_timeout, cluster_keys=keys,
+        eagle_model=args.speculative_model if args.speculative_method == "eagle" else None,
+        hidden_dtype=args.kv_transfer_hidden_dtype))

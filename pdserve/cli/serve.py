@@ -90,6 +90,13 @@ def _add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
     if role in ("serve", "prefill"):
         g.add_argument("--kv-transfer-dtype", default="fp8", choices=["fp8", "auto"],
                        help="fp8: e4m3 with per-block, per-head scales; auto: the cache dtype")
+        g.add_argument("--kv-transfer-hidden-dtype", default="bfloat16",
+                       choices=["bfloat16", "float16", "float32", "auto", "none"],
+                       help="with --speculative-method eagle: the dtype in which each "
+                            "prompt's hidden states (the EAGLE head's input) follow its KV, "
+                            "so the decode worker's head sees the prompt as after a local "
+                            "prefill (auto: the model's dtype; none: not sent, and the head "
+                            "drafts without the prompt: fewer drafts accepted)")
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:

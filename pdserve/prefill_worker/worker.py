@@ -19,6 +19,7 @@ import time
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec_decode.eagle_proposer import eagle_feature_layers
 from pdserve.kvtransfer.wire import NATIVE_WIRE_DTYPES
 from pdserve.messages import KVSent, PrefillDone, PrefillRequest, RequestFailed
 from pdserve.prefill_worker.hidden_export import PromptHiddenExport
@@ -36,15 +37,16 @@ class PrefillWorker(EngineWorker):
         kv_transport: transport name used to push KV.
         kv_transfer_dtype: "fp8" (e4m3 with scales) or "auto" (the cache dtype, exact).
         kv_transfer_timeout_s: deadline for one KV message.
-        hidden_layers: send each prompt's target hidden states with its KV, for decode
-            workers' EAGLE heads: the target layers whose inputs an EAGLE-3 head fuses, or
-            () for the final hidden states (EAGLE-1/2); None: send none.
-        hidden_dtype: their wire dtype, "bfloat16", "float16", "float32" or "auto" (the
-            model's).
+        eagle_model: the decode workers' EAGLE head (``--speculative-model``): send each
+            prompt's target hidden states it reads (final ones, or an EAGLE-3 head's fused
+            layer inputs) with its KV; None: send none.
+        hidden_dtype: their wire dtype, "bfloat16", "float16", "float32", "auto" (the
+            model's) or "none" (send none).
 
     Raises:
-        ValueError: a bad ``kv_transfer_dtype`` or ``hidden_dtype``, or an engine that
-            has a proposer (a prefill worker drafts nothing).
+        ValueError: a bad ``kv_transfer_dtype`` or ``hidden_dtype``, an engine that has a
+            proposer (a prefill worker drafts nothing), or a bad head config.json.
+        FileNotFoundError: ``eagle_model`` names no head folder.
     """
 
     role = "prefill"
@@ -53,16 +55,15 @@ class PrefillWorker(EngineWorker):
                  model_name: str, heartbeat_interval_s: float = 1.0,
                  kv_transport: str = "zmq", kv_transfer_dtype: str = "fp8",
                  kv_transfer_timeout_s: float = 10.0, cluster_keys=None,
-                 hidden_layers: tuple[int, ...] | None = None,
-                 hidden_dtype: str = "bfloat16") -> None:
+                 eagle_model: str | None = None, hidden_dtype: str = "bfloat16") -> None:
         super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s,
                          cluster_keys)
         if kv_transfer_dtype not in ("fp8", "auto"):
             raise ValueError(f"kv_transfer_dtype must be 'fp8' or 'auto', got "
                              f"{kv_transfer_dtype!r}")
         self.hidden = None
-        if hidden_layers is not None:
-            self.hidden = _hidden_export(engine, hidden_layers, hidden_dtype)
+        if eagle_model is not None and hidden_dtype != "none":
+            self.hidden = _hidden_export(engine, eagle_model, hidden_dtype)
             self.engine.proposer = self.hidden  # called after every step with its hidden
         self.sender = KVSenderThread(kv_transport, kv_transfer_dtype == "fp8",
                                      kv_transfer_timeout_s, self._on_sent, cluster_keys)
@@ -158,9 +159,10 @@ class PrefillWorker(EngineWorker):
         self.sender.close()
 
 
-def _hidden_export(engine: LLMEngine, hidden_layers: tuple[int, ...],
+def _hidden_export(engine: LLMEngine, eagle_model: str,
                    hidden_dtype: str) -> PromptHiddenExport:
-    """The collector of prompt hidden states (``hidden_dtype`` "auto": the model's dtype)."""
+    """The collector of the prompt hidden states the head ``eagle_model`` reads
+    (``hidden_dtype`` "auto": the model's dtype)."""
     if engine.proposer is not None:
         raise ValueError("a prefill worker drafts nothing: its engine must have no proposer "
                          "to send prompt hidden states")
@@ -171,7 +173,8 @@ def _hidden_export(engine: LLMEngine, hidden_layers: tuple[int, ...],
     else:
         raise ValueError(f"hidden_dtype must be one of {[*NATIVE_WIRE_DTYPES, 'auto']}, got "
                          f"{hidden_dtype!r}")
-    return PromptHiddenExport(hidden_layers, engine.arch.hidden_size, dtype)
+    layers = eagle_feature_layers(eagle_model, engine.arch.num_layers)
+    return PromptHiddenExport(layers, engine.arch.hidden_size, dtype)
 
 
 def _first_token_ends_request(delta: RequestDelta, params: SamplingParams) -> bool:
