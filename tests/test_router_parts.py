@@ -588,3 +588,57 @@ def test_without_a_migration_timeout_a_request_with_no_decode_worker_left_fails_
                 RoutingConfig(migration_timeout_s=bad)
     finally:
         h.close()
+
+
+def test_a_migrated_request_waits_for_its_new_workers_first_token_only_so_long():
+    """r1 streamed two tokens on d0, then moved to d1 (d0 died). Its first-token deadline
+    (5 s) starts again at the migration: d1 sending nothing ends it with an error naming
+    the migration, where before it would have waited for ever (it already had tokens)."""
+    h = Harness(first_token_timeout_s=5.0)
+    try:
+        handle = h.router.add_request("r1", prompt(8), SamplingParams(max_tokens=6))
+        h.recv("d0", StepOutputs("d0", [delta("r1", [11, 12])]))
+        register_decode(h, "d1")
+        h.router.recovery.on_worker_exit("d0")
+        assert handle.worker_id == "d1"
+        h.router.recovery.check_deadlines(time.monotonic() + 4.0)
+        assert "r1" in h.router.handles
+        h.router.recovery.check_deadlines(time.monotonic() + 6.0)
+        *tokens, error = drain(handle)
+        assert [t.new_token_ids for t in tokens] == [[11, 12]]
+        assert isinstance(error, WorkerFailed) and "after a migration within 5 s" in str(error)
+        assert h.router.handles == {}
+    finally:
+        h.close()
+
+
+def test_a_migrated_request_whose_new_worker_streams_has_no_deadline():
+    h = Harness(first_token_timeout_s=5.0)
+    try:
+        handle = h.router.add_request("r1", prompt(8), SamplingParams(max_tokens=600))
+        register_decode(h, "d1")
+        h.router.recovery.on_worker_exit("d0")
+        h.recv("d1", StepOutputs("d1", [delta("r1", [11])]))
+        h.router.recovery.check_deadlines(time.monotonic() + 60.0)
+        assert h.router.handles == {"r1": handle} and not any(
+            isinstance(item, Exception) for item in drain(handle))
+    finally:
+        h.close()
+
+
+def test_a_request_held_for_a_worker_missing_from_the_registry_moves_on():
+    """The safety net under every exit: should a decode worker ever leave the registry
+    without its requests being moved, the next deadline check moves them (here to d1)."""
+    h = Harness()
+    try:
+        handle = h.router.add_request("r1", prompt(8), SamplingParams(max_tokens=6))
+        h.recv("d0", StepOutputs("d0", [delta("r1", [11])]))
+        register_decode(h, "d1")
+        del h.router.registry.workers["d0"]  # gone, its requests untouched
+        h.sent.clear()
+        h.router.recovery.check_deadlines()
+        [(wid, msg)] = h.sent
+        assert (wid, type(msg), msg.output_token_ids) == ("d1", GenerateRequest, [11])
+        assert handle.worker_id == "d1" and handle.num_migrations == 1
+    finally:
+        h.close()

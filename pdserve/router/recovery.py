@@ -44,17 +44,26 @@ class RequestRecovery:
 
     def check_deadlines(self, now_s: float | None = None) -> None:
         """End or move on requests past a deadline: the first-token deadline of every
-        request (``first_token_timeout_s``), and the deadline of a remote prefill's
-        current state (:data:`~pdserve.router.remote_prefill.STATE_DEADLINES`)."""
+        request (``first_token_timeout_s``, from its latest placement: a migrated request
+        waits that long for its new decode worker's first token), and the deadline of a
+        remote prefill's current state (:data:`~pdserve.router.remote_prefill.STATE_DEADLINES`).
+        A request held for a decode worker that is no longer registered (a bug: every way
+        a worker leaves moves its requests) is treated as that worker's loss, not kept."""
         router = self.router
         now = time.monotonic() if now_s is None else now_s
         limit = router.routing.first_token_timeout_s
         for handle in list(router.handles.values()):
-            if limit and handle.num_deltas == 0 and now - handle.created_s > limit:
+            if handle.worker_id and handle.worker_id not in router.registry.workers:
+                logger.error("%s is held for %s, which is not registered; moving it on",
+                             handle.request_id, handle.worker_id)
+                self.on_handle_lost(handle, f"worker {handle.worker_id} is gone")
+                continue
+            if limit and handle.placed_s is not None and now - handle.placed_s > limit:
                 router.count("request_timeouts", "first_token")
+                what = "token from its new decode worker after a migration" \
+                    if handle.num_migrations else "first token"
                 router.end(handle, TIMED_OUT, WorkerFailed(
-                    f"no first token within {limit:g} s (the server is overloaded); "
-                    "retry later"))
+                    f"no {what} within {limit:g} s (the server is overloaded); retry later"))
                 continue
             remote = handle.remote
             deadline = None if remote is None else remote.deadline_s(router.routing)
@@ -98,12 +107,16 @@ class RequestRecovery:
         for handle in list(router.handles.values()):
             remote = handle.remote
             if handle.worker_id == worker.worker_id:
-                if not self.retry_elsewhere(handle):
-                    router.end(handle, WORKER_LOST, WorkerFailed(
-                        f"worker {worker.worker_id} stopped responding"
-                        + self._migrations_note(handle)))
+                self.on_handle_lost(handle, f"worker {worker.worker_id} stopped responding")
             elif remote is not None:
                 router.handshake.on_prefill_worker_lost(handle, worker)
+
+    def on_handle_lost(self, handle: RequestHandle, why: str) -> None:
+        """``handle``'s decode worker is gone: it migrates, or ends with :class:`WorkerFailed`
+        saying ``why`` (and its migration limit, when that is the reason)."""
+        if not self.retry_elsewhere(handle):
+            self.router.end(handle, WORKER_LOST, WorkerFailed(
+                why + self._migrations_note(handle)))
 
     def retry_elsewhere(self, handle: RequestHandle) -> bool:
         """Migrate a request whose decode worker died (see the module docstring); False when
@@ -139,6 +152,7 @@ class RequestRecovery:
         """Resubmit ``handle`` to ``decode`` after the tokens its client already has."""
         router = self.router
         router.move(handle, decode)
+        handle.placed_s = time.monotonic()  # its first-token deadline starts again
         router.count("request_retries")
         router.count("request_migrations")
         logger.warning("migrating %s to %s (migration %d of at most %d)", handle.request_id,

@@ -45,7 +45,8 @@ class RoutingConfig:
         kv_failure_policy: "recompute" (decode worker prefills itself) or "fail".
         reserve_timeout_s: how long a request may wait for a decode worker to have blocks.
         first_token_timeout_s: how long a request may wait for its first token (queued,
-            then prefilled) before it ends with an error; 0 waits for ever.
+            then prefilled) before it ends with an error, and, after a migration, for the
+            first token from its new decode worker; 0 waits for ever.
         kv_timeout_s: how long the router waits, after a remote prefill's first token, for
             the prefill worker to report its KV sent before the decode worker recomputes
             (the decode worker's own KV deadline usually reports first); 0 waits for ever.
@@ -114,6 +115,9 @@ class RequestHandle:
         self.params = params
         self.num_deltas = 0  # deltas handed to the consumer
         self.created_s = time.monotonic()
+        #: ``time.monotonic()`` of its latest placement on a decode worker (routed, or
+        #: migrated) while no token has come since; None once one has
+        self.placed_s: float | None = self.created_s
         self.output_token_ids: list[int] = []  # tokens handed to the consumer
         self.num_migrations = 0  # times it moved to another decode worker
         self.remote: RemotePrefill | None = None
@@ -124,6 +128,7 @@ class RequestHandle:
         """Hand a worker's delta to the consumer and remember its tokens (for a retry)."""
         self.queue.put_nowait(delta)
         self.num_deltas += 1
+        self.placed_s = None
         self.output_token_ids.extend(delta.new_token_ids)
 
     def __aiter__(self) -> "RequestHandle":
