@@ -314,18 +314,32 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def wait_while_streaming(streams: list[Stream], stall_s: float) -> None:
+    """Block until every stream is done; fail if none gets a token for ``stall_s``."""
+    last, last_change_s = None, time.monotonic()
+    while not all(s.done for s in streams):
+        progress = [s.num_chunks for s in streams]
+        if progress != last:
+            last, last_change_s = progress, time.monotonic()
+        assert time.monotonic() - last_change_s < stall_s, f"streams stalled at {progress}"
+        time.sleep(0.1)
+
+
 @needs_model
 @pytest.mark.slow  # eleven model loads under eight streams: 2-5 min
-@pytest.mark.skip(reason="open bug (issue 24): in 3 of 3 runs on a loaded 2-core host a "
-                  "request stalled after the 10th restart (a migrated stream, or a fresh "
-                  "request afterwards) with no error logged; bench/chaos.py's 10 kills, "
-                  "which wait for every stream to resume before the next kill, pass")
 def test_ten_kills_of_the_decode_worker_during_eight_streams_lose_no_token():
     """kill -9 of the only decode worker 10 times while 8 greedy streams run (fp32): each
     time serve restarts it and every request migrates to it after the tokens it streamed;
-    every stream ends with exactly max_tokens tokens and the text of an undisturbed run."""
+    every stream ends with exactly max_tokens tokens and the text of an undisturbed run.
+
+    The decode worker runs one torch thread (one core): on a 2-core host shared with other
+    jobs, two intra-op threads wait for each other at every op (3-34x slower per token than
+    one: bench/results/thread-contention-2026-12-03-epyc-avx2), which left the streams and
+    the references too slow for fixed bounds and read as a stall. So the streams are judged by progress (120 s without a token
+    on any of them is a stall), and the references run as one batch."""
     srv = ServerProcess("--dtype", "float32", "--worker-restart-backoff", "0.2",
-                        "--max-worker-restart-backoff", "1", "--max-worker-restarts", "20")
+                        "--max-worker-restart-backoff", "1", "--max-worker-restarts", "20",
+                        "--decode-cpus", str(max(os.sched_getaffinity(0))))
     max_tokens, num_kills = 96, 10
     bodies = [{"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens, "temperature": 0,
                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
@@ -346,17 +360,22 @@ def test_ten_kills_of_the_decode_worker_during_eight_streams_lose_no_token():
                      "tokens from the new decode worker")
             assert not any(s.done for s in streams), "a stream ended before the last kill"
             os.kill(decode_worker_pids(srv)[0], signal.SIGKILL)
-        deadline = time.monotonic() + 240
-        for s in streams:
-            s.join(timeout=max(0.0, deadline - time.monotonic()))
-        assert all(s.done for s in streams), [s.num_chunks for s in streams]
+        wait_while_streaming(streams, stall_s=120)
         print("seconds until a decode worker was up after each kill:",
               [round(t, 1) for t in restart_s[1:]])
         assert [s.error for s in streams] == [None] * 8
         assert [s.usage.get("completion_tokens") for s in streams] == [max_tokens] * 8
-        refs = [httpx.post(f"{srv.base_url}/completions", timeout=300, json={
-            **body, "stream": False, "stream_options": None}).json()["choices"][0]["text"]
-            for body in bodies]
+        refs: list[str | None] = [None] * len(bodies)
+
+        def reference(i: int) -> None:  # fresh, non-streamed requests after the chaos
+            refs[i] = httpx.post(f"{srv.base_url}/completions", timeout=300, json={
+                **bodies[i], "stream": False, "stream_options": None}).json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=reference, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         assert [s.text for s in streams] == refs
         m = metrics(srv)
         assert m["pdserve:request_migrations_total{}"] == 8 * num_kills
