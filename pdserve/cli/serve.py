@@ -198,7 +198,8 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                         "new requests get 503 with Retry-After at once (default: 512)")
     p.add_argument("--first-token-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a request still without its first token after this long (queued "
-                        "behind others, then prefilled) ends with a 503 error instead of "
+                        "behind others, then prefilled), or a migrated one without a token "
+                        "from its new decode worker, ends with a 503 error instead of "
                         "waiting on; 0 waits for ever (default: 600)")
 
 
