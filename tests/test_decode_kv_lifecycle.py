@@ -173,10 +173,11 @@ def test_a_stalled_receive_frees_its_blocks_and_the_request_recomputes(worker):
     _send_layers(w, sender, "r", prompt, range(eng.arch.num_layers // 2))  # half, then silence
     w.handle(FirstToken("r", expected[0]))
     assert w.remote["r"].state is S.RECEIVING
-    deadline = time.monotonic() + 10
-    while w.inbox.num_bytes_received == 0 and time.monotonic() < deadline:
+    half = eng.arch.num_layers // 2
+    deadline = time.monotonic() + 30
+    while w.inbox._partial.get("r", (0, 0, 0))[2] < half and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert "r" in w.inbox._partial  # layers held, waiting for the rest
+    assert w.inbox._partial["r"][2] == half  # layers held, waiting for the rest
 
     w.poll_extra()
     assert w.remote["r"].state is S.RECEIVING  # not yet past its 0.5 s

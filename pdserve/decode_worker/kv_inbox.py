@@ -3,9 +3,11 @@ them, dequantizes into the cache dtype and assembles each request's layers, and 
 transfer's hidden section (the prompt's hidden states for an EAGLE head) when its KV
 messages announce one: a request is ready once both are here.
 
-The engine's cache is only written by the worker's main thread
-(:meth:`LLMEngine.complete_remote_prefill`), so an abort racing a transfer can never make
-this thread write into blocks that were handed to another request.
+The engine's cache is written by the worker's main thread at install
+(:meth:`LLMEngine.complete_remote_prefill`), or, through the ``writer`` the decode worker
+gives (FP8 wire into a CPU cache), by this thread layer by layer as messages arrive, under
+the worker's lock that its engine thread takes before it frees a request's blocks: an abort
+racing a transfer never lets a write land in blocks handed to another request.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ class KVInbox:
         num_layers: layers of the model (a request is complete when all have arrived).
         cache_dtype: dtype the KV is dequantized to.
         stale_after_s: partial requests not touched this long are dropped.
-        keep_fp8: the engine's cache is FP8: FP8 messages are kept as codes and scales
-            (written into the cache as they are), not dequantized.
+        keep_fp8: FP8 messages are kept as codes and scales, not dequantized here: the
+            engine writes them into an FP8 cache as they are, or into a CPU cache of
+            another dtype dequantizing in the same pass as the scatter (one pass over
+            the KV instead of two).
         address: where to listen; None: the transport's loopback default.
         advertise_host: host written into :attr:`address` in place of the bound one (for a
             receiver bound on ``0.0.0.0``); None: the bound address as it is.
@@ -48,6 +52,10 @@ class KVInbox:
             reserved blocks for, or None when it reserved nothing for that id. A message
             for an unreserved id, or larger than the reservation, is dropped before it is
             decoded or stored (counted in :attr:`num_dropped`). None: accept every id.
+        writer: ``writer(request_id, decoded) -> bool``, called on this thread with each
+            verified KV message: True when it wrote the layers into the request's blocks
+            itself (then only their count is kept and ``ready`` yields ``kv`` None), False
+            to have them assembled here. None: always assembled here.
         cluster_keys: the deployment's keys: zmq admits only the cluster's senders, and
             on every transport a message whose header does not carry the cluster's HMAC
             for this receiver (:func:`~pdserve.kvtransfer.wire.sign_header`) is dropped
@@ -65,7 +73,7 @@ class KVInbox:
     def __init__(self, transport_name: str, num_layers: int, cache_dtype: torch.dtype,
                  stale_after_s: float = 30.0, address: str | None = None,
                  advertise_host: str | None = None, keep_fp8: bool = False,
-                 cluster_keys=None, expects=None) -> None:
+                 cluster_keys=None, expects=None, writer=None) -> None:
         self.transport = create_transport(transport_name, cluster_keys)
         self.cluster_keys = cluster_keys
         self.receiver = self.transport.create_receiver(KVReceiverConfig(
@@ -80,6 +88,7 @@ class KVInbox:
         self.ready: queue.Queue[tuple[str, tuple | str]] = queue.Queue()
         self.num_bytes_received = 0
         self.expects = expects
+        self.writer = writer
         #: messages dropped unread: no reservation for their request, or too large for it
         self.num_dropped = 0
         # request id -> (kv, scales or None, layers received, last touched)
@@ -160,6 +169,14 @@ class KVInbox:
         h = decoded.header
         self.num_bytes_received += h.payload_bytes + h.scale_bytes
         entry = self._partial.get(rid)
+        written = self.writer is not None and self.writer(rid, decoded)
+        if entry is None and written:
+            entry = (None, None, 0, time.monotonic())
+        if written != (entry is not None and entry[0] is None):
+            raise KVFormatError("a request's KV messages were partly written in place")
+        if written:
+            self._count_layers(rid, entry, h)
+            return
         as_codes = self.keep_fp8 and decoded.is_fp8
         if entry is None:
             shape = (self.num_layers, 2, h.num_blocks, h.block_size, h.num_kv_heads, h.head_dim)
@@ -183,6 +200,12 @@ class KVInbox:
                               out=full[h.layer_start:h.layer_end])
         else:
             full[h.layer_start:h.layer_end].copy_(decoded.values)
+        self._count_layers(rid, entry, h)
+
+    def _count_layers(self, rid: str, entry: tuple, h) -> None:
+        """Count ``h``'s layers into ``entry`` (kv, scales, layers done, touched); hand the
+        request on once all are here (``kv`` None: written in place by :attr:`writer`)."""
+        full, full_scales, num_done, _ = entry
         num_done += h.layer_end - h.layer_start
         if num_done >= self.num_layers:
             self._partial.pop(rid, None)

@@ -4,7 +4,8 @@ disaggregated prefill.
 Remote prefill, decode side (see ARCHITECTURE.md, "push into reserved blocks")::
 
     router: ExpectRemoteKV ──► reserve blocks, park request ──► KVReserved
-    P ──KV (FP8/native)──► KVInbox thread (verify, dequantize)  ┐
+    P ──KV (FP8/native)──► KVInbox thread (verify; FP8 on CPU: dequantized straight into
+                           the reserved blocks, layer by layer)┐
     router: FirstToken ───────────────────────────────────────┤ both here?
                                                                └► write blocks, join batch
     no KV within --kv-transfer-timeout of the first token, or a bad checksum
@@ -20,13 +21,17 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
+
+import torch
 
 from pdserve.decode_worker.kv_inbox import KVInbox
 from pdserve.decode_worker.kv_lifecycle import (
     FINAL, LIVE, RELEASES_KV, KVDeadlines, KVEvent, KVState, RemoteKV)
 from pdserve.engine.llm_engine import KVCapacityError, LLMEngine
 from pdserve.engine.request import RequestStatus
+from pdserve.fp8 import dequantize_into_cache
 from pdserve.messages import (
     ExpectRemoteKV,
     FirstToken,
@@ -70,16 +75,21 @@ class DecodeWorker(EngineWorker):
                          cluster_keys)
         self.kv_transport = kv_transport
         self.kv_transfer_timeout_s = kv_transfer_timeout_s
-        self.inbox = None
-        if kv_transport is not None:
-            self.inbox = KVInbox(kv_transport, engine.arch.num_layers, engine.runner.dtype,
-                                 address=kv_address, advertise_host=kv_advertise_host,
-                                 keep_fp8=engine.runner.kv_scales is not None,
-                                 cluster_keys=cluster_keys, expects=self._expected_kv)
         self.kv_deadlines = kv_deadlines or KVDeadlines(receiving_s=kv_transfer_timeout_s,
                                                         ready_s=kv_transfer_timeout_s)
         #: remotely prefilled requests not yet running, recomputing or aborted
         self.remote: dict[str, RemoteKV] = {}
+        # held by the inbox thread while it writes into reserved blocks; taken before the
+        # engine thread frees them (_release_kv), so no write lands in a reused block
+        self._kv_write_lock = threading.Lock()
+        self.inbox = None
+        if kv_transport is not None:
+            self.inbox = KVInbox(kv_transport, engine.arch.num_layers, engine.runner.dtype,
+                                 address=kv_address, advertise_host=kv_advertise_host,
+                                 keep_fp8=(engine.runner.kv_scales is not None
+                                           or engine.runner.kv_cache.device.type == "cpu"),
+                                 cluster_keys=cluster_keys, expects=self._expected_kv,
+                                 writer=self._write_kv_layers)
 
     def registration_extras(self) -> dict:
         """The KV receiver's advertised address and transport, so the router can tell
@@ -160,9 +170,36 @@ class DecodeWorker(EngineWorker):
         entry.kv = None
         if self.inbox is not None:
             self.inbox.discard(rid)
-        req = self.engine.requests.get(rid)
-        if req is not None and req.status is RequestStatus.WAITING_FOR_KV:
-            self.engine.block_manager.free(req)
+        with self._kv_write_lock:  # an inbox write into these blocks ends first
+            req = self.engine.requests.get(rid)
+            if req is not None and req.status is RequestStatus.WAITING_FOR_KV:
+                self.engine.block_manager.free(req)
+
+    def _write_kv_layers(self, rid: str, decoded) -> bool:
+        """Inbox thread: dequantize an FP8 message straight into ``rid``'s reserved blocks
+        (one pass, while the prefill still computes the later layers), so the install at
+        the end writes nothing. False where it does not apply (FP8 or non-CPU cache, a
+        native wire): the inbox assembles the KV instead. A request no longer receiving
+        has its message dropped (True). Raises ValueError: the message does not fit."""
+        runner = self.engine.runner
+        if not decoded.is_fp8 or runner.kv_scales is not None \
+                or runner.kv_cache.device.type != "cpu":
+            return False
+        with self._kv_write_lock:
+            entry = self.remote.get(rid)
+            req = self.engine.requests.get(rid)
+            if entry is None or not entry.accepts_kv or req is None or not req.block_table:
+                return True
+            bs = self.engine.block_manager.block_size
+            num_blocks = self.engine.block_manager.num_blocks_for(req.num_prompt_tokens)
+            if decoded.values.shape[2] != num_blocks:
+                raise ValueError(f"{decoded.values.shape[2]} blocks for a {num_blocks}-block "
+                                 "reservation")
+            first = req.num_cached_tokens // bs  # blocks this worker had cached: kept
+            ids = torch.tensor(req.block_table[first:num_blocks], dtype=torch.int64)
+            dequantize_into_cache(decoded.values[:, :, first:], decoded.scales[:, :, first:],
+                                  runner.kv_cache, ids, decoded.header.layer_start)
+        return True
 
     def _try_install(self, rid: str) -> None:
         """Write a READY request's KV into its blocks and start it, once its first token

@@ -169,7 +169,7 @@ class LLMEngine:
         return request.num_cached_tokens
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                kv: torch.Tensor, scales: torch.Tensor | None = None,
+                                kv: torch.Tensor | None, scales: torch.Tensor | None = None,
                                 hidden: torch.Tensor | None = None, hidden_start: int = 0) -> bool:
         """Write a parked request's received KV into its blocks and start decoding it.
 
@@ -177,9 +177,9 @@ class LLMEngine:
             first_token_id: the token the prefill worker sampled (already streamed).
             kv: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
                 compute dtype, the prompt's blocks in order (an FP8 cache quantizes them;
-                blocks this worker had cached are skipped, not overwritten); or, for an FP8
-                cache, float8_e4m3fn codes stored as they are with their ``scales
-                [num_layers, 2, num_blocks, num_kv_heads]`` fp32.
+                blocks this worker had cached are skipped); or float8_e4m3fn codes with their
+                ``scales [num_layers, 2, num_blocks, num_kv_heads]`` fp32 (stored as they are
+                in an FP8 cache, else dequantized); None: already written into the blocks.
             hidden: ``[num_prompt_tokens - hidden_start, F]`` its target features (EAGLE's input).
 
         Returns:
@@ -195,10 +195,10 @@ class LLMEngine:
         num_blocks = self.block_manager.num_blocks_for(req.num_prompt_tokens)
         cache = self.runner.kv_cache
         expected = (cache.shape[0], 2, num_blocks, bs, cache.shape[4], cache.shape[5])
-        if tuple(kv.shape) != expected:
+        if kv is not None and tuple(kv.shape) != expected:
             raise ValueError(f"received KV has shape {tuple(kv.shape)}, expected {expected}")
         first = req.num_cached_tokens // bs
-        if first < num_blocks:
+        if first < num_blocks and kv is not None:
             self.runner.write_kv_blocks(
                 req.block_table[first:num_blocks], kv[:, :, first:],
                 num_tokens=req.num_prompt_tokens - first * bs,

@@ -154,17 +154,26 @@ class PagedKVCache:
                 quantizes ``kv`` as the wire format does (one scale per layer, K/V, block, KV
                 head), after zeroing the positions past ``num_tokens`` so stale values do not
                 widen the last block's scale; FP8 codes and scales are stored as they are.
-            scales: ``[num_layers, 2, len(block_ids), num_kv_heads]`` fp32 with FP8 ``kv``.
+            scales: ``[num_layers, 2, len(block_ids), num_kv_heads]`` fp32 with FP8 ``kv``:
+                stored as they are in an FP8 cache, dequantized into any other (fused with
+                the scatter on CPU: :func:`pdserve.fp8.dequantize_into_cache`).
 
         Raises:
-            ValueError: FP8 ``kv`` without scales or into a cache that is not FP8.
+            ValueError: FP8 ``kv`` without scales.
         """
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         if (kv.dtype == torch.float8_e4m3fn) != (scales is not None):
             raise ValueError("scales: give them exactly with float8_e4m3fn kv")
+        if scales is not None and self.scales is None:  # the FP8 wire into a 16/32-bit cache
+            from pdserve.fp8 import dequantize_blocks, dequantize_into_cache  # noqa: PLC0415
+
+            if self.cache.device.type == "cpu":  # one pass: dequantize + scatter
+                dequantize_into_cache(kv, scales, self.cache, ids, layer_start=0)
+            else:
+                self.cache[:, :, ids] = dequantize_blocks(
+                    kv.cpu(), scales.cpu(), self.cache.dtype).to(self.device)
+            return
         if scales is not None:
-            if self.scales is None:
-                raise ValueError("FP8 blocks need kv_cache_dtype='fp8' (dequantize them first)")
             self.cache.view(torch.uint8)[:, :, ids] = kv.view(torch.uint8).to(self.device)
             self.scales[:, :, ids] = scales.to(self.device)
             return
