@@ -190,17 +190,17 @@ async def _wait_for_workers(state, server, task: asyncio.Task,
     the server stops or ``WORKER_READY_TIMEOUT_S`` passes."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WORKER_READY_TIMEOUT_S
-    # Check registration before exits: a worker that registered and then died is the
-    # supervisor's (serving goes on), not a start-up failure.
-    while len(state.router.registry.workers) < len(workers):
+    # A worker that registered and then died (even if dropped before this loop looked)
+    # is the supervisor's (serving goes on), not a start-up failure.
+    registered = state.router.registry.ever_registered
+    while len(registered) < len(workers):
         if any(w.poll() is not None for w in workers):
-            print("pdserve: a worker exited during start-up; see its log above",
-                  file=sys.stderr)
+            print("pdserve: a worker exited during start-up; see its log above", file=sys.stderr)
             break
         if task.done() or loop.time() > deadline:
             if not task.done():
-                print(f"pdserve: {len(workers) - len(state.router.registry.workers)} of "
-                      f"{len(workers)} workers did not register within "
+                print(f"pdserve: {len(workers) - len(registered)} of {len(workers)} "
+                      f"workers did not register within "
                       f"{WORKER_READY_TIMEOUT_S:.0f} s; see their logs above",
                       file=sys.stderr)
             break

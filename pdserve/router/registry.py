@@ -100,10 +100,13 @@ class WorkerRegistry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.max_missed_heartbeats = max_missed_heartbeats
         self.workers: dict[str, WorkerInfo] = {}
+        #: ids of every worker that ever registered (dropped ones too): start-up waits on it
+        self.ever_registered: set[str] = set()
 
     def register(self, msg: RegisterWorker) -> WorkerInfo:
         """Add a worker, or refresh the registration of one already known (a restart or a
         re-registration keeps its in-flight set)."""
+        self.ever_registered.add(msg.worker_id)
         worker = self.workers.get(msg.worker_id)
         if worker is None:
             worker = WorkerInfo(msg, time.monotonic())
