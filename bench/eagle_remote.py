@@ -10,6 +10,8 @@ one at a time, through real ``pdserve serve`` processes with the shipped head
                     prefilled on the prefill worker; its KV (fp8) and its hidden states
                     (--kv-transfer-hidden-dtype DTYPE, default bfloat16) cross the wire
     remote-none     the same without hidden states (the head has no prompt entries: before)
+    remote-exact[-DTYPE]  the same with the exact KV wire (--kv-transfer-dtype auto): the
+                    answers are the colocated ones, so acceptance compares like with like
     plain-local, plain-remote: no speculation, the greedy reference of each path
 
 Per configuration: the mean acceptance length (1 + accepted / drafts, from the server's
@@ -53,6 +55,10 @@ def config_flags(name: str) -> tuple[bool, tuple[str, ...]]:
         return True, BASE + EAGLE
     if name == "plain-remote":
         return False, BASE + REMOTE
+    if name.startswith("remote-exact"):  # exact KV wire: the same answers as colocated
+        dtype = name.removeprefix("remote-exact").removeprefix("-") or "bfloat16"
+        return False, BASE + REMOTE + EAGLE + ("--kv-transfer-dtype", "auto",
+                                               "--kv-transfer-hidden-dtype", dtype)
     if name.startswith("remote"):
         dtype = name.partition("-")[2] or "bfloat16"
         return False, BASE + REMOTE + EAGLE + ("--kv-transfer-hidden-dtype", dtype)
@@ -169,15 +175,17 @@ def report(runs: dict[str, dict]) -> dict:
     summary = {name: summarize(run) for name, run in runs.items()}
     texts = {name: [r["text"] for r in run["prompts"]] for name, run in runs.items()}
     local = summary.get("local", {}).get("acceptance_length")
-    none_bytes = summary.get("remote-none", {}).get("kv_bytes_per_prompt_token")
     for name, s in summary.items():
-        plain = "plain-local" if runs[name]["colocated"] else "plain-remote"
+        exact = name.startswith("remote-exact")
+        plain = "plain-local" if runs[name]["colocated"] or exact else "plain-remote"
+        none_bytes = summary.get("remote-exact-none" if exact else "remote-none",
+                                 {}).get("kv_bytes_per_prompt_token")
         if plain in texts and name != plain:
             s["same_text_as_" + plain] = texts[name] == texts[plain]
             s["num_differing_texts"] = sum(a != b for a, b in zip(texts[name], texts[plain]))
         if local and s["acceptance_length"]:
             s["ratio_to_local"] = s["acceptance_length"] / local
-        if none_bytes and s["kv_bytes_per_prompt_token"] and name != "remote-none":
+        if none_bytes and s["kv_bytes_per_prompt_token"] and not name.endswith("-none"):
             extra = s["kv_bytes_per_prompt_token"] - none_bytes
             s["hidden_bytes_per_prompt_token"] = extra
             s["hidden_share_of_kv_bytes"] = extra / none_bytes
@@ -209,12 +217,21 @@ def main() -> None:
     p.add_argument("--configs", default="plain-local,local,plain-remote,remote,remote-none,"
                                         "remote-float16,remote-float32")
     p.add_argument("--out", default=None, help="write every answer and count as JSON here")
+    p.add_argument("--previous", default=None,
+                   help="a JSON of an earlier run with the same prompts and --max-tokens: "
+                        "its configurations join this run's report")
     args = p.parse_args()
     prompts = long_prompts(args.num_prompts)
+    runs = {}
+    if args.previous:
+        previous = json.loads(Path(args.previous).read_text())
+        if (previous["args"]["num_prompts"], previous["args"]["max_tokens"]) != \
+                (args.num_prompts, args.max_tokens):
+            raise SystemExit("--previous: another --num-prompts or --max-tokens")
+        runs.update(previous["runs"])
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    runs = {}
     for name in args.configs.split(","):
         t = time.perf_counter()
         load_before = os.getloadavg()[0]

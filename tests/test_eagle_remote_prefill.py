@@ -10,6 +10,9 @@ greedy identity) is the slow test at the end.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -170,3 +173,32 @@ def test_hidden_states_that_do_not_fit_are_skipped_not_fatal(setup):
     assert decode.complete_remote_prefill("odd", first[0], kv, hidden=wrong)
     assert decode.requests["odd"].spec_token_ids == []
     assert len(first + _run(decode)["odd"]) == 4
+
+
+def _eagle_remote_bench():
+    """bench/eagle_remote.py as a module (its servers, prompts and report)."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "eagle_remote.py"
+    spec = importlib.util.spec_from_file_location("eagle_remote_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_served_remote_acceptance_within_3_percent_of_local_and_greedy_identical():
+    """Through ``pdserve serve`` (fp32, the shipped head, exact KV wire so that both paths
+    answer alike and acceptance compares like with like): 4 held-out prompts of >= 600
+    tokens are all prefilled on the prefill worker (bf16 hidden states), answer what
+    non-speculative greedy answers, and are drafted for with an acceptance length within
+    3 % of a colocated server's."""
+    bench = _eagle_remote_bench()
+    prompts = bench.long_prompts(4)
+    runs = {name: bench.run_config(name, prompts, max_tokens=64)
+            for name in ("plain-local", "remote-exact", "local")}
+    summary = bench.report(runs)
+    remote, local = summary["remote-exact"], summary["local"]
+    assert remote["min_prompt_tokens"] >= 600
+    assert (remote["num_remote"], local["num_remote"]) == (4, 0)
+    assert remote["same_text_as_plain-local"], remote["num_differing_texts"]
+    assert local["same_text_as_plain-local"], local["num_differing_texts"]
+    assert abs(remote["ratio_to_local"] - 1) <= 0.03, summary
