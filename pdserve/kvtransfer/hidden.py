@@ -28,7 +28,7 @@ from pdserve.kvtransfer.checksum import kv_checksum
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError
 from pdserve.kvtransfer.wire import (
     NATIVE_WIRE_DTYPES, SCALE_LAYOUT_NONE, SECTION_HIDDEN, WIRE_VERSION, EncodedKV, KVHeader,
-    _as_bytes, _byte_view, _native_name, _typed_view, validate_header)
+    _as_bytes, _byte_view, _native_name, _typed_view, checked_encoding, validate_header)
 
 
 def encode_hidden(request_id: str, hidden: torch.Tensor, *, hidden_start: int,
@@ -57,11 +57,7 @@ def encode_hidden(request_id: str, hidden: torch.Tensor, *, hidden_start: int,
         payload_bytes=payload.size, scale_bytes=0, checksum=kv_checksum(payload, scales),
         version=WIRE_VERSION, section=SECTION_HIDDEN, hidden_size=hidden.shape[1],
         hidden_start=hidden_start)
-    try:
-        validate_header(header)
-    except KVFormatError as e:
-        raise ValueError(str(e)) from e
-    return EncodedKV(header=header, payload=payload, scales=scales)
+    return checked_encoding(header, payload, scales)
 
 
 @dataclass(frozen=True)

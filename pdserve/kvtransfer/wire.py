@@ -256,6 +256,16 @@ def encode_kv(request_id: str, kv: torch.Tensor, *, layer_start: int, num_tokens
         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype_name, scale_layout=layout,
         payload_bytes=payload.size, scale_bytes=scales.size,
         checksum=kv_checksum(payload, scales), version=WIRE_VERSION, hidden_size=hidden_size)
+    return checked_encoding(header, payload, scales)
+
+
+def checked_encoding(header: KVHeader, payload: np.ndarray, scales: np.ndarray) -> EncodedKV:
+    """``header`` with its buffers, once :func:`validate_header` accepts it (the sender's
+    check of the arguments that built it).
+
+    Raises:
+        ValueError: the header is malformed (the arguments were inconsistent).
+    """
     try:
         validate_header(header)
     except KVFormatError as e:
