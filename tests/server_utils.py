@@ -14,10 +14,43 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def _port_block() -> range:
+    """This test process's own block of ports, below the kernel's ephemeral range.
+
+    A port taken with ``bind(0)`` comes from the ephemeral range, where any process's
+    ``bind(0)`` (a worker's metrics server, a zmq random port) or outgoing connection can
+    take it again before the test's server binds it: CI once saw an API server fail to
+    bind while another test's server answered on its port. Ports below that range are
+    handed out only by explicit choice, and each pytest-xdist worker takes its own block.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    start = 10000 if low > 12000 else 1024
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    size = max(64, (low - start) // 8)
+    first = start + (index % 8) * size
+    return range(first, min(first + size, low))
+
+
+_PORTS = _port_block()
+_next_port = [_PORTS.start + (os.getpid() * 7919) % len(_PORTS)]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that binds now and that no other test process hands out."""
+    for _ in range(len(_PORTS)):
+        port = _next_port[0]
+        _next_port[0] = port + 1 if port + 1 < _PORTS.stop else _PORTS.start
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def child_pids(pid: int) -> list[int]:
