@@ -68,6 +68,12 @@ class EngineConfig:
     their caches stay complete for when the batch shrinks again.
     :attr:`spec_disable_batch_size` is the resolved value.
 
+    ``speculative_adaptive`` (default on) lets
+    :class:`~pdserve.engine.spec_decode.governor.SpecGovernor` turn drafting off at the
+    batch sizes below the cap where it measured fewer tokens/s with drafts than without;
+    ``speculative_disable_by_batch_size=0`` asks for drafts at every batch and turns it off
+    too. :attr:`spec_adaptive` is the resolved value.
+
     Raises:
         ValueError: naming the field, for any invalid value.
     """
@@ -91,6 +97,7 @@ class EngineConfig:
     speculative_model: str | None = None
     speculative_draft_confidence: float = 0.0
     speculative_disable_by_batch_size: int | None = None
+    speculative_adaptive: bool = True
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None
@@ -187,6 +194,12 @@ class EngineConfig:
         if self.speculative_disable_by_batch_size is not None:
             return self.speculative_disable_by_batch_size
         return DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE.get(self.speculative_method, 0)
+
+    @property
+    def spec_adaptive(self) -> bool:
+        """True when the measured-throughput governor decides drafting below the cap."""
+        return (self.speculative_method != "none" and self.speculative_adaptive
+                and self.spec_disable_batch_size != 0)
 
     def resolve_dtype(self) -> torch.dtype:
         """The compute dtype: the configured one, or bf16 for "auto"."""

@@ -18,6 +18,7 @@ from pdserve.engine.request import Request, RequestStatus, resolve_max_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.spec_decode import SpecDecodeStats, build_proposer
+from pdserve.engine.spec_decode.governor import SpecGovernor, propose_next
 from pdserve.engine.step_stats import PrefillStats
 from pdserve.engine.structured_output import StructuredOutputManager
 
@@ -65,6 +66,7 @@ class LLMEngine:
         self.proposer = build_proposer(config, self.runner, self.block_manager,
                                        self.max_model_len)
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.governor = SpecGovernor() if config.spec_adaptive else None
         self.prefill_stats = PrefillStats()
         self.requests: dict[str, Request] = {}
         #: request id -> [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -292,12 +294,7 @@ class LLMEngine:
                       out.request_ids, out.sampled_token_ids, out.logprobs,
                       out.num_draft_tokens, out.num_accepted_tokens)]
         if self.proposer is not None:
-            finished = {d.request_id for d in deltas if d.finished}
-            cap = self.config.spec_disable_batch_size
-            self.proposer.propose(sched, [s.request for s in sched.scheduled
-                                         if s.request.request_id not in finished],
-                                  step_hidden=out.hidden,
-                                  allow_drafts=not cap or len(self.scheduler.running) < cap)
+            propose_next(self, sched, out.hidden, deltas, time.perf_counter() - start_s)
         self.spec_stats.maybe_log()
         self.prefill_stats.observe(sched, self.scheduler, time.perf_counter() - start_s)
         return deltas

@@ -69,6 +69,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "method's measured crossover: "
                         + ", ".join(f"{m} {n}" for m, n in
                                     DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE.items()) + ")")
+    s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="below that batch size, draft only where drafting measured more "
+                        "tokens/s than plain decoding at the same batch size (probed again "
+                        "now and then); --speculative-disable-by-batch-size 0 drafts always")
     add_quantization_args(g)
 
 
@@ -142,6 +147,7 @@ def _engine_config_from_args(args: argparse.Namespace, model: str | None) -> Eng
         speculative_model=args.speculative_model,
         speculative_draft_confidence=args.speculative_draft_confidence,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+        speculative_adaptive=args.speculative_adaptive,
         quantization=args.quantization, quantization_skip=parse_skip_list(args.quantization_skip),
     )
 
@@ -169,6 +175,8 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
     if args.speculative_model:
         argv += ["--speculative-model", args.speculative_model]
+    if not args.speculative_adaptive:
+        argv.append("--no-speculative-adaptive")
     if args.enforce_eager:
         argv.append("--enforce-eager")
     argv += quantization_args_to_argv(args)
