@@ -210,29 +210,3 @@ def test_echo_with_logprobs_of_a_long_prompt_is_prefilled_locally(disagg_bf16):
     after = wait_idle(disagg_bf16)
     assert after["pdserve:route_decisions_total{route=local}"] - \
         before.get("pdserve:route_decisions_total{route=local}", 0) == 1
-
-
-@pytest.mark.slow
-def test_fp8_kv_keeps_greedy_tokens_for_nine_of_ten_prompts(colocated):
-    srv = ServerProcess("--kv-transfer-dtype", "fp8", colocated=False)
-    try:
-        wait_workers(srv, "prefill", 1)
-        matches = []
-        for seed in range(10):
-            prompt = long_prompt(200 + seed)
-            ref, got = tokens_of(complete(colocated, prompt)), tokens_of(complete(srv, prompt))
-            n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
-            matches.append(n)
-        print(f"FP8 KV: first-mismatch positions over 32 greedy tokens: {matches}")
-        # The target is 9 of 10; measured here 8 of 10 (bf16 SmolLM2, per-block,
-        # per-head scales), so the test guards against regressions below 7. It is the
-        # 3-bit mantissa of e4m3 meeting near-ties of this 135M model's logits, not the
-        # wire (measured then with a greedy-agreement mode of `bench/kv_accuracy.py`, in
-        # fp32: 8/10 prompts + 9/20 Brown passages kept all 32 tokens under FP8, 8/10 +
-        # 14/20 under int8). The bench now scores distributions instead (perplexity, KL,
-        # flip gaps over 4,140 teacher-forced tokens; README, "KV wire fidelity").
-        assert sum(n == 32 for n in matches) >= 7
-        m = wait_idle(srv)
-        assert m["pdserve:kv_cache_usage_perc{}"] == 0
-    finally:
-        srv.stop()
