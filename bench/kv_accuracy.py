@@ -19,8 +19,9 @@ Codecs (:data:`CODECS`): ``exact`` (the KV's own dtype over the wire), ``bf16`` 
 bf16: the wire with ``--kv-transfer-dtype auto`` on a bf16 model), ``fp8`` (the shipped wire
 codec, :func:`pdserve.kvtransfer.wire.encode_kv` with ``use_fp8``: e4m3, one fp32 scale per
 (layer, K/V, block, KV head)), ``int8`` (a reference, not a wire format: symmetric int8 with
-the same scales), ``fp8-hadamard`` (an experiment: the fp8 wire after an orthonormal
-Hadamard rotation along head_dim, undone on receipt; same bytes). Deliberately broken codecs
+the same scales), ``fp8-hadamard`` (``--kv-transfer-dtype fp8-hadamard``: the fp8
+wire after an orthonormal Hadamard rotation along head_dim, undone on receipt; same
+bytes). Deliberately broken codecs
 (:data:`BROKEN_CODECS`: ``fp8-scales-x2``, ``zeros``) check that the bounds catch a fault.
 
     python bench/kv_accuracy.py [--dtypes float32,bfloat16] [--num-passages 20]
@@ -49,11 +50,11 @@ Codec = Callable[[torch.Tensor], torch.Tensor]
 
 
 # -- codecs: kv [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] -> same -----
-def _through_wire(kv: torch.Tensor, use_fp8: bool) -> torch.Tensor:
+def _through_wire(kv: torch.Tensor, use_fp8: bool, rotation: str = "none") -> torch.Tensor:
     """Encode ``kv`` as one wire message, decode it, return it in ``kv.dtype``."""
     from pdserve.kvtransfer.wire import decode_header, decode_kv, encode_header, encode_kv
 
-    enc = encode_kv("r", kv, layer_start=0, num_tokens=1, use_fp8=use_fp8)
+    enc = encode_kv("r", kv, layer_start=0, num_tokens=1, use_fp8=use_fp8, rotation=rotation)
     header = decode_header(encode_header(enc.header))
     payload, scales = (buf.tobytes() for buf in enc.buffers)
     return decode_kv(header, payload, scales).to_dtype(kv.dtype)
@@ -81,24 +82,10 @@ def int8_reference(kv: torch.Tensor) -> torch.Tensor:
     return (torch.round(x / scale) * scale).to(kv.dtype)
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """Orthonormal Sylvester Hadamard matrix ``[n, n]`` fp32 (symmetric, its own inverse).
-
-    Raises ValueError unless ``n`` is a power of two.
-    """
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"n: Hadamard size must be a power of two, got {n}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
-
-
 def fp8_hadamard_wire(kv: torch.Tensor) -> torch.Tensor:
-    """FP8 wire on ``kv @ H`` (H: orthonormal Hadamard along head_dim), then ``@ H`` back."""
-    h = hadamard(kv.shape[-1])
-    rotated = (kv.float() @ h).to(kv.dtype)
-    return (fp8_wire(rotated).float() @ h).to(kv.dtype)
+    """The FP8 wire after a Hadamard rotation along head_dim, undone on receipt
+    (``--kv-transfer-dtype fp8-hadamard``; same bytes)."""
+    return _through_wire(kv, use_fp8=True, rotation="hadamard")
 
 
 def fp8_scales_x2(kv: torch.Tensor) -> torch.Tensor:

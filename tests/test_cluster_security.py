@@ -267,7 +267,8 @@ def test_a_worker_without_any_secret_stops_with_a_message_not_a_traceback():
 SENDER = r"""
 import sys, torch
 from pdserve.kvtransfer.transport import create_transport
-from pdserve.kvtransfer.wire import encode_kv, sign_header
+from pdserve.kvtransfer.wire import encode_kv
+from pdserve.kvtransfer.wire_auth import sign_header
 from pdserve.security import ClusterKeys
 address, secret = sys.argv[1], sys.argv[2].encode()
 keys, other = ClusterKeys(secret), ClusterKeys(b"some-other-cluster-secret")

@@ -10,8 +10,8 @@ import torch
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError
 from pdserve.kvtransfer.hidden import decode_hidden, encode_hidden
 from pdserve.kvtransfer.wire import (
-    WIRE_VERSION, KVHeader, decode_header, decode_kv, encode_header, encode_kv,
-    header_is_authentic, sign_header)
+    WIRE_VERSION, KVHeader, decode_header, decode_kv, encode_header, encode_kv)
+from pdserve.kvtransfer.wire_auth import header_is_authentic, sign_header
 from pdserve.security import ClusterKeys
 
 

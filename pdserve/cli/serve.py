@@ -88,8 +88,12 @@ def _add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--kv-port", type=int, default=0,
                        help="port of the KV receiver (0: a free one)")
     if role in ("serve", "prefill"):
-        g.add_argument("--kv-transfer-dtype", default="fp8", choices=["fp8", "auto"],
-                       help="fp8: e4m3 with per-block, per-head scales; auto: the cache dtype")
+        g.add_argument("--kv-transfer-dtype", default="fp8",
+                       choices=["fp8", "fp8-hadamard", "auto"],
+                       help="fp8: e4m3 with per-block, per-head scales; fp8-hadamard: the "
+                            "same after a Hadamard rotation along head_dim (undone on "
+                            "receipt; same bytes, lower error: see the README); auto: the "
+                            "cache dtype, exact")
         g.add_argument("--kv-transfer-hidden-dtype", default="bfloat16",
                        choices=["bfloat16", "float16", "float32", "auto", "none"],
                        help="with --speculative-method eagle: the dtype in which each "

@@ -24,7 +24,8 @@ from pdserve.kvtransfer.addressing import replace_tcp_host
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError, KVTransferTimeout
 from pdserve.kvtransfer.hidden import DecodedHidden, decode_hidden
 from pdserve.kvtransfer.transport import MAX_KV_MESSAGE_BYTES, KVReceiverConfig, create_transport
-from pdserve.kvtransfer.wire import SECTION_HIDDEN, header_is_authentic
+from pdserve.kvtransfer.wire import SECTION_HIDDEN
+from pdserve.kvtransfer.wire_auth import header_is_authentic
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class KVInbox:
             to have them assembled here. None: always assembled here.
         cluster_keys: the deployment's keys: zmq admits only the cluster's senders, and
             on every transport a message whose header does not carry the cluster's HMAC
-            for this receiver (:func:`~pdserve.kvtransfer.wire.sign_header`) is dropped
+            for this receiver (:func:`~pdserve.kvtransfer.wire_auth.sign_header`) is dropped
             unread, before any block is written.
 
     ``ready`` yields ``(request_id, (kv, scales, hidden, hidden_start))`` with ``kv`` a

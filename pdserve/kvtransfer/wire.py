@@ -15,10 +15,14 @@ with ``L = layer_end - layer_start`` and all arrays C-contiguous, little-endian.
 
 With cluster keys (:mod:`pdserve.security`) the header's ``auth`` is an HMAC-SHA256, keyed
 by the cluster secret, over the request id, the destination's KV address, the layer range,
-the token and block counts and the checksum (:func:`sign_header`). A receiver checks it
-(:func:`header_is_authentic`) before it touches a block, so a push forged by anyone without
+the token and block counts and the checksum (:mod:`pdserve.kvtransfer.wire_auth`). A
+receiver checks it before it touches a block, so a push forged by anyone without
 the secret, or one aimed at another worker, is dropped; on UCX, whose transports neither
 authenticate nor encrypt, this is the only check.
+
+With ``rotation == "hadamard"`` (version 3, FP8 only) the payload quantizes ``kv @ H``,
+``H`` the orthonormal Hadamard matrix along head_dim (:mod:`pdserve.kvtransfer.rotation`);
+:func:`decode_kv` undoes it, so receivers get plain K/V (fp32, no scales).
 
 A transfer may also carry one *hidden section* (``section == "hidden"``, version 2): the
 prompt's target hidden states for the decode worker's EAGLE head, in their own message
@@ -39,6 +43,7 @@ import torch
 
 from pdserve.kvtransfer.checksum import kv_checksum
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError
+from pdserve.kvtransfer.rotation import rotate
 from pdserve.fp8 import FP8_DTYPE, SCALE_DTYPE, dequantize_blocks, quantize_blocks
 from pdserve.host_memory import empty_host
 
@@ -50,10 +55,13 @@ NATIVE_WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
 _WIRE_ITEMSIZE = {WIRE_DTYPE_FP8: 1, "bfloat16": 2, "float16": 2, "float32": 4}
 _SCALE_ITEMSIZE = 4
 #: The format's version, in every header; a header without one is version 1. Version 2 added
-#: hidden sections (``section``, ``hidden_size``, ``hidden_start``). A receiver refuses a
+#: hidden sections (``section``, ``hidden_size``, ``hidden_start``), version 3 the Hadamard
+#: ``rotation``. A receiver refuses a
 #: version above its own with a KVFormatError naming both, so the transfer fails (and the
 #: decode worker recomputes) instead of a newer sender's message being misread.
-WIRE_VERSION = 2
+WIRE_VERSION = 3
+#: ``KVHeader.rotation``: none, or a Hadamard rotation along head_dim before FP8 quantizing
+ROTATIONS = ("none", "hadamard")
 #: ``KVHeader.section``: layers of the request's KV ...
 SECTION_KV = "kv"
 #: ... or its prompt's target hidden states for an EAGLE head (:mod:`.hidden`)
@@ -84,6 +92,8 @@ class KVHeader(msgspec.Struct, frozen=True):
     hidden_size: int = 0
     #: hidden section: its first prompt position (it holds ``[hidden_start, num_tokens)``)
     hidden_start: int = 0
+    #: one of :data:`ROTATIONS`: "hadamard" quantized ``kv @ H`` (FP8 only, version >= 3)
+    rotation: str = "none"
 
     @property
     def num_layers(self) -> int:
@@ -144,6 +154,7 @@ def validate_header(header: KVHeader) -> None:
     if header.hidden_start:
         raise KVFormatError(f"hidden_start: only a hidden section has one, got "
                             f"{header.hidden_start}")
+    _validate_rotation(header)
     for name in ("num_tokens", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
         if getattr(header, name) < 1:
             raise KVFormatError(f"{name}: must be >= 1, got {getattr(header, name)}")
@@ -172,12 +183,28 @@ def validate_header(header: KVHeader) -> None:
         raise KVFormatError(f"scale_bytes: expected {scale_bytes}, got {header.scale_bytes}")
 
 
+def _validate_rotation(header: KVHeader) -> None:
+    """A rotation is one of :data:`ROTATIONS`; "hadamard" needs version 3, the FP8 dtype
+    and a power-of-two head_dim."""
+    if header.rotation not in ROTATIONS:
+        raise KVFormatError(f"rotation: expected one of {list(ROTATIONS)}, got "
+                            f"{header.rotation!r}")
+    if header.rotation == "hadamard" and (
+            header.version < 3 or header.dtype != WIRE_DTYPE_FP8
+            or header.head_dim & (header.head_dim - 1)):
+        raise KVFormatError(f"rotation: hadamard needs version >= 3, dtype {WIRE_DTYPE_FP8!r} "
+                            f"and a power-of-two head_dim, got version {header.version}, "
+                            f"{header.dtype!r}, head_dim {header.head_dim}")
+
+
 def _validate_hidden_section(header: KVHeader) -> None:
     """A hidden section: ``[num_tokens - hidden_start, hidden_size]`` of a native dtype, no
     KV (layer range, KV geometry and scales all 0)."""
     if header.version < 2:
         raise KVFormatError(f"section: hidden sections need version >= 2, got "
                             f"{header.version}")
+    if header.rotation != "none":
+        raise KVFormatError(f"rotation: a hidden section has none, got {header.rotation!r}")
     for name in ("layer_start", "layer_end", "num_blocks", "block_size", "num_kv_heads",
                  "head_dim", "scale_bytes"):
         if getattr(header, name) != 0:
@@ -215,7 +242,7 @@ class EncodedKV:
 
 def encode_kv(request_id: str, kv: torch.Tensor, *, layer_start: int, num_tokens: int,
               use_fp8: bool, scales: torch.Tensor | None = None,
-              hidden_size: int = 0) -> EncodedKV:
+              hidden_size: int = 0, rotation: str = "none") -> EncodedKV:
     """Encode gathered KV blocks as one message.
 
     kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] bf16/fp16/fp32 CPU,
@@ -227,11 +254,16 @@ def encode_kv(request_id: str, kv: torch.Tensor, *, layer_start: int, num_tokens
     scales: [num_layers, 2, num_blocks, num_kv_heads] fp32, with FP8 ``kv`` only.
     hidden_size: the width of the hidden section that follows this transfer's KV messages
         (:func:`~pdserve.kvtransfer.hidden.encode_hidden`); 0: none follows.
+    rotation: "hadamard" quantizes ``kv @ H`` (with ``use_fp8`` and native ``kv``; FP8 codes
+        go as they are stored, unrotated).
     """
     if kv.dim() != 6 or kv.shape[1] != 2:
         raise ValueError(f"kv: expected 6-d [num_layers, 2, num_blocks, block_size, "
                          f"num_kv_heads, head_dim], got {tuple(kv.shape)}")
     num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv.shape
+    scales_given = scales
+    if rotation not in ROTATIONS:
+        raise ValueError(f"rotation: expected one of {list(ROTATIONS)}, got {rotation!r}")
     if (kv.dtype == FP8_DTYPE) != (scales is not None) or (scales is not None and not use_fp8):
         raise ValueError("scales: give them exactly with float8_e4m3fn kv, and use_fp8=True")
     if scales is not None:
@@ -242,7 +274,7 @@ def encode_kv(request_id: str, kv: torch.Tensor, *, layer_start: int, num_tokens
         values, dtype_name, layout = kv, WIRE_DTYPE_FP8, SCALE_LAYOUT_PER_BLOCK_HEAD
         scales = _as_bytes(scales)
     elif use_fp8:
-        values, scales_t = quantize_blocks(kv)
+        values, scales_t = quantize_blocks(rotate(kv) if rotation == "hadamard" else kv)
         dtype_name, layout = WIRE_DTYPE_FP8, SCALE_LAYOUT_PER_BLOCK_HEAD
         scales = _as_bytes(scales_t)
     else:
@@ -255,7 +287,8 @@ def encode_kv(request_id: str, kv: torch.Tensor, *, layer_start: int, num_tokens
         num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size,
         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype_name, scale_layout=layout,
         payload_bytes=payload.size, scale_bytes=scales.size,
-        checksum=kv_checksum(payload, scales), version=WIRE_VERSION, hidden_size=hidden_size)
+        checksum=kv_checksum(payload, scales), version=WIRE_VERSION, hidden_size=hidden_size,
+        rotation=rotation if use_fp8 and scales_given is None else "none")
     return checked_encoding(header, payload, scales)
 
 
@@ -294,7 +327,8 @@ class DecodedKV:
 
 
 def decode_kv(header: KVHeader, payload, scales) -> DecodedKV:
-    """Verify sizes and checksum, and view the bytes as tensors (no copy).
+    """Verify sizes and checksum, and view the bytes as tensors (no copy; a Hadamard-rotated
+    message is dequantized and rotated back into a new fp32 tensor, without scales).
 
     payload, scales: buffers (bytes-like; ``scales`` may be empty) holding exactly
     ``header.payload_bytes`` and ``header.scale_bytes``. The returned tensors alias them:
@@ -322,6 +356,9 @@ def decode_kv(header: KVHeader, payload, scales) -> DecodedKV:
     if header.dtype == WIRE_DTYPE_FP8:
         values = payload_t.view(FP8_DTYPE).view(header.kv_shape)
         scales_t = _typed_view(scales_np, SCALE_DTYPE).view(header.scales_shape)
+        if header.rotation == "hadamard":  # plain K/V again, fp32
+            return DecodedKV(header=header, scales=None, values=rotate(
+                dequantize_blocks(values, scales_t, torch.float32)))
         return DecodedKV(header=header, values=values, scales=scales_t)
     values = _typed_view(payload_np, NATIVE_WIRE_DTYPES[header.dtype]).view(header.kv_shape)
     return DecodedKV(header=header, values=values, scales=None)
@@ -351,25 +388,3 @@ def _typed_view(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if raw.ctypes.data % itemsize:
         raw = raw.copy()
     return torch.from_numpy(raw).view(dtype)
-
-
-def _auth_parts(header: KVHeader, dest_address: str) -> tuple[bytes, ...]:
-    return (b"kv-push", header.request_id.encode(), dest_address.encode(),
-            *(str(v).encode() for v in (header.layer_start, header.layer_end,
-                                         header.num_tokens, header.num_blocks,
-                                         header.payload_bytes, header.scale_bytes,
-                                         header.checksum, header.version, header.section,
-                                         header.hidden_size, header.hidden_start)))
-
-
-def sign_header(header: KVHeader, keys, dest_address: str) -> KVHeader:
-    """``header`` with its ``auth`` HMAC for a push to ``dest_address`` (the receiver's
-    advertised KV address); ``keys`` is a :class:`pdserve.security.ClusterKeys`."""
-    return msgspec.structs.replace(header, auth=keys.sign(*_auth_parts(header, dest_address)))
-
-
-def header_is_authentic(header: KVHeader, keys, dest_address: str) -> bool:
-    """Whether ``header.auth`` is the cluster's HMAC for a push to ``dest_address``."""
-    import hmac
-
-    return hmac.compare_digest(header.auth, keys.sign(*_auth_parts(header, dest_address)))

@@ -18,7 +18,8 @@ import torch
 
 from pdserve.kvtransfer.hidden import encode_hidden
 from pdserve.kvtransfer.transport import MAX_KV_MESSAGE_BYTES, KVSender, create_transport
-from pdserve.kvtransfer.wire import encode_kv, sign_header
+from pdserve.kvtransfer.wire import encode_kv
+from pdserve.kvtransfer.wire_auth import sign_header
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class KVSenderThread:
         transport_name: a registered transport.
         use_fp8: quantize to FP8 e4m3 with per-(layer, K/V, block, head) scales.
         timeout_s: deadline for one message.
+        rotation: "hadamard" rotates K/V along head_dim before quantizing to FP8
+            (:mod:`pdserve.kvtransfer.rotation`); "none" does not.
         on_done: ``(request_id, num_bytes, seconds, error or None, push_s)``, called on
             this thread: ``seconds`` from the first layer's push to the end, ``push_s``
             of it spent encoding and pushing (the rest waited for layers to be prefilled).
@@ -86,10 +89,11 @@ class KVSenderThread:
 
     def __init__(self, transport_name: str, use_fp8: bool, timeout_s: float,
                  on_done: Callable[[str, int, float, str | None, float], None],
-                 cluster_keys=None) -> None:
+                 cluster_keys=None, rotation: str = "none") -> None:
         self.transport = create_transport(transport_name, cluster_keys)
         self.cluster_keys = cluster_keys
         self.use_fp8 = use_fp8
+        self.rotation = rotation
         self.timeout_s = timeout_s
         self.on_done = on_done
         self.jobs: queue.Queue[KVJob | None] = queue.Queue()
@@ -121,7 +125,7 @@ class KVSenderThread:
         for start in range(0, job.kv.shape[0], step):
             enc = encode_kv(job.request_id, job.kv[start:start + step],
                             layer_start=job.layer_start + start, num_tokens=job.num_tokens,
-                            use_fp8=use_fp8, hidden_size=job.hidden_size,
+                            use_fp8=use_fp8, hidden_size=job.hidden_size, rotation=self.rotation,
                             scales=None if job.scales is None else job.scales[start:start + step])
             header = enc.header
             if self.cluster_keys is not None:

@@ -29,13 +29,18 @@ from pdserve.worker_metrics import KVTransferTotals
 
 logger = logging.getLogger(__name__)
 
+#: ``--kv-transfer-dtype`` values
+KV_TRANSFER_DTYPES = ("fp8", "fp8-hadamard", "auto")
+
 
 class PrefillWorker(EngineWorker):
     """See the module docstring.
 
     Args:
         kv_transport: transport name used to push KV.
-        kv_transfer_dtype: "fp8" (e4m3 with scales) or "auto" (the cache dtype, exact).
+        kv_transfer_dtype: "fp8" (e4m3 with scales), "fp8-hadamard" (the same after a
+            Hadamard rotation along head_dim, undone on receipt) or "auto" (the cache
+            dtype, exact).
         kv_transfer_timeout_s: deadline for one KV message.
         eagle_model: the decode workers' EAGLE head (``--speculative-model``): send each
             prompt's target hidden states it reads (final ones, or an EAGLE-3 head's fused
@@ -58,15 +63,16 @@ class PrefillWorker(EngineWorker):
                  eagle_model: str | None = None, hidden_dtype: str = "bfloat16") -> None:
         super().__init__(engine, router_address, worker_id, model_name, heartbeat_interval_s,
                          cluster_keys)
-        if kv_transfer_dtype not in ("fp8", "auto"):
-            raise ValueError(f"kv_transfer_dtype must be 'fp8' or 'auto', got "
-                             f"{kv_transfer_dtype!r}")
+        if kv_transfer_dtype not in KV_TRANSFER_DTYPES:
+            raise ValueError(f"kv_transfer_dtype must be one of {list(KV_TRANSFER_DTYPES)}, "
+                             f"got {kv_transfer_dtype!r}")
         self.hidden = None
         if eagle_model is not None and hidden_dtype != "none":
             self.hidden = _hidden_export(engine, eagle_model, hidden_dtype)
             self.engine.proposer = self.hidden  # called after every step with its hidden
-        self.sender = KVSenderThread(kv_transport, kv_transfer_dtype == "fp8",
-                                     kv_transfer_timeout_s, self._on_sent, cluster_keys)
+        self.sender = KVSenderThread(
+            kv_transport, kv_transfer_dtype != "auto", kv_transfer_timeout_s, self._on_sent,
+            cluster_keys, rotation="hadamard" if kv_transfer_dtype == "fp8-hadamard" else "none")
         self.pending: dict[str, tuple[PrefillRequest, float]] = {}
         self.num_kv_bytes_sent = 0  # written by the sender thread only
         self.num_kv_transfers_sent = 0
