@@ -33,6 +33,9 @@ class RegisterWorker(msgspec.Struct, tag="register"):
     #: the worker's own Prometheus endpoint (``http://HOST:PORT/metrics``), None if it
     #: serves none; ``pdserve serve``'s API server merges it into its ``/metrics``
     metrics_address: str | None = None
+    #: whether the engine keeps a prefix cache (requests sharing a prompt can then share
+    #: one prefill: the router sends ``n > 1`` siblings after the first one's KV)
+    enable_prefix_caching: bool = True
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack"):
@@ -80,6 +83,10 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     # tokens already streamed to the client (a retry after a decode worker died):
     # generation continues after them and they count toward max_tokens
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    # a request on this worker waiting for its remote KV with the same prompt: this one
+    # reaches the engine once that KV is installed (or that wait ends), so it prefills from
+    # the prefix cache instead of computing the prompt again (``n > 1`` choices)
+    wait_for: str | None = None
 
 
 class ExpectRemoteKV(msgspec.Struct, tag="expect_kv"):

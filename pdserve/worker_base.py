@@ -137,7 +137,9 @@ class EngineWorker:
             worker_id=self.worker_id, role=self.role, model_name=self.model_name,
             max_model_len=self.engine.max_model_len, block_size=self.engine.config.block_size,
             num_kv_blocks=self.engine.block_manager.num_blocks, pid=os.getpid(),
-            metrics_address=self.metrics_address, **self.registration_extras(),
+            metrics_address=self.metrics_address,
+            enable_prefix_caching=self.engine.config.enable_prefix_caching,
+            **self.registration_extras(),
         ), block=False)
 
     def load(self) -> Heartbeat:

@@ -210,3 +210,35 @@ def test_echo_with_logprobs_of_a_long_prompt_is_prefilled_locally(disagg_bf16):
     after = wait_idle(disagg_bf16)
     assert after["pdserve:route_decisions_total{route=local}"] - \
         before.get("pdserve:route_decisions_total{route=local}", 0) == 1
+
+
+def _prompt_tokens_by_role(server) -> dict[str, float]:
+    """role -> its worker's prompt-token counter (the API server's merged /metrics)."""
+    return {key.split("role=", 1)[1].split(",", 1)[0]: value
+            for key, value in metrics(server).items()
+            if key.startswith("pdserve:prompt_tokens_total{") and "worker=" in key}
+
+
+def test_n_choices_of_a_long_prompt_share_one_remote_prefill(disagg_bf16):
+    """``n: 3`` on a long prompt: one prefill on P; the other two choices wait on D for
+    that KV and compute only the prompt's last block from D's prefix cache."""
+    prompt = long_prompt(41)
+    before = _prompt_tokens_by_role(disagg_bf16)
+    routes_before = wait_idle(disagg_bf16)
+    resp = httpx.post(f"{disagg_bf16.base_url}/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 3,
+        "n": 3, "ignore_eos": True}, timeout=300)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(c["finish_reason"] == "length" for c in out["choices"])
+    num_prompt = out["usage"]["prompt_tokens"]
+    m = wait_idle(disagg_bf16)
+    after = _prompt_tokens_by_role(disagg_bf16)
+    assert after["prefill"] - before["prefill"] == num_prompt  # one remote prefill
+    tail = num_prompt - (num_prompt - 1) // 16 * 16
+    assert after["decode"] - before["decode"] == 2 * tail  # two choices, the tail each
+    for route, count in (("remote_prefill", 1), ("local", 2)):
+        key = f"pdserve:route_decisions_total{{route={route}}}"
+        assert m[key] - routes_before.get(key, 0) == count
+    assert m["pdserve:kv_cache_usage_perc{}"] == 0

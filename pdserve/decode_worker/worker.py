@@ -79,6 +79,9 @@ class DecodeWorker(EngineWorker):
                                                         ready_s=kv_transfer_timeout_s)
         #: remotely prefilled requests not yet running, recomputing or aborted
         self.remote: dict[str, RemoteKV] = {}
+        #: parked request id -> requests with the same prompt (``GenerateRequest.wait_for``)
+        #: that reach the engine once its KV is installed, to start from the prefix cache
+        self.held: dict[str, list[GenerateRequest]] = {}
         # held by the inbox thread while it writes into reserved blocks; taken before the
         # engine thread frees them (_release_kv), so no write lands in a reused block
         self._kv_write_lock = threading.Lock()
@@ -102,12 +105,10 @@ class DecodeWorker(EngineWorker):
         """Requests to run here, reservations for remotely prefilled ones, their first
         tokens, and orders to recompute a parked request locally."""
         if isinstance(msg, GenerateRequest):
-            try:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids,
-                                        msg.sampling_params, msg.arrival_time,
-                                        output_token_ids=msg.output_token_ids)
-            except ValueError as exc:
-                self.send(RequestFailed(msg.request_id, str(exc)))
+            if self._is_parked(msg.wait_for):
+                self.held.setdefault(msg.wait_for, []).append(msg)
+            else:
+                self._add(msg)
         elif isinstance(msg, ExpectRemoteKV):
             self._reserve(msg)
         elif isinstance(msg, FirstToken):
@@ -120,6 +121,25 @@ class DecodeWorker(EngineWorker):
             self._fire(msg.request_id, KVEvent.RESUME, msg.output_token_ids)
         else:
             super().handle(msg)
+
+    def _add(self, msg: GenerateRequest) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
+                                    msg.arrival_time, output_token_ids=msg.output_token_ids)
+        except ValueError as exc:
+            self.send(RequestFailed(msg.request_id, str(exc)))
+
+    def _is_parked(self, request_id: str | None) -> bool:
+        """Whether ``request_id`` is an engine request still waiting for its remote KV."""
+        req = self.engine.requests.get(request_id) if request_id is not None else None
+        return req is not None and req.status is RequestStatus.WAITING_FOR_KV
+
+    def _release_held(self) -> None:
+        """Hand the engine the requests held for a parked one whose wait ended (its KV
+        installed: they prefill from the prefix cache; or it failed or was aborted)."""
+        for rid in [rid for rid in self.held if not self._is_parked(rid)]:
+            for msg in self.held.pop(rid):
+                self._add(msg)
 
     def _reserve(self, msg: ExpectRemoteKV) -> None:
         try:
@@ -237,6 +257,8 @@ class DecodeWorker(EngineWorker):
                     self._fire(rid, KVEvent.KV_COMPLETE)
                     self._try_install(rid)
         self.check_kv_deadlines(time.monotonic())
+        if self.held:
+            self._release_held()
 
     def check_kv_deadlines(self, now_s: float) -> None:
         """Fire DEADLINE for each remote request whose state's deadline is before ``now_s``
@@ -250,9 +272,16 @@ class DecodeWorker(EngineWorker):
                 self._fire(rid, KVEvent.DEADLINE)
 
     def abort(self, request_id: str) -> None:
-        """Abort a waiting remote request through its lifecycle too (late KV is dropped)."""
+        """Abort a waiting remote request through its lifecycle too (late KV is dropped),
+        and a held one before it reaches the engine."""
+        for rid, msgs in self.held.items():
+            self.held[rid] = [m for m in msgs if m.request_id != request_id]
         self._fire(request_id, KVEvent.ABORT)
         super().abort(request_id)
+
+    def has_work(self) -> bool:
+        """Engine requests, or requests held for a parked one."""
+        return super().has_work() or any(self.held.values())
 
     def after_step(self, deltas) -> None:
         """Send the step's deltas to the router in one :class:`StepOutputs` and count the

@@ -68,11 +68,9 @@ class EngineConfig:
     their caches stay complete for when the batch shrinks again.
     :attr:`spec_disable_batch_size` is the resolved value.
 
-    ``speculative_adaptive`` (default on) lets
-    :class:`~pdserve.engine.spec_decode.governor.SpecGovernor` turn drafting off at the
-    batch sizes below the cap where it measured fewer tokens/s with drafts than without;
-    ``speculative_disable_by_batch_size=0`` asks for drafts at every batch and turns it off
-    too. :attr:`spec_adaptive` is the resolved value.
+    ``speculative_adaptive`` (default on; :attr:`spec_adaptive` resolved): below the cap,
+    :class:`~pdserve.engine.spec_decode.governor.SpecGovernor` drafts only where drafting
+    measured more tokens/s (off with ``speculative_disable_by_batch_size=0``: always draft).
 
     Raises:
         ValueError: naming the field, for any invalid value.

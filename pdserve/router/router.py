@@ -51,8 +51,10 @@ from pdserve.router.inbox import Inbox
 from pdserve.router.liveness import LivenessLoop
 from pdserve.router.policy import (
     FALLBACK,
+    LOCAL,
     POLICIES,
     REMOTE_PREFILL,
+    Route,
     RouteRequest,
     RoutingPolicy,
 )
@@ -218,8 +220,12 @@ class Router:
 
     # -- entry -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> RequestHandle:
-        """Route a request (see the module docstring).
+                    params: SamplingParams, sibling: RequestHandle | None = None
+                    ) -> RequestHandle:
+        """Route a request (see the module docstring). ``sibling``: another choice of the
+        same prompt (``n > 1``); while its remote prefill is under way this one goes to the
+        same decode worker, to start from the prefix cache once that KV is in (one prefill
+        for all the choices) when the worker keeps a prefix cache.
 
         Raises:
             NoWorkerAvailable: no accepting decode worker, its queue is full, or the
@@ -228,7 +234,8 @@ class Router:
         if self.num_inflight >= self.max_num_inflight:
             raise NoWorkerAvailable(
                 f"server is at its limit of {self.max_num_inflight} requests in flight")
-        route = self.policy.route(
+        shared = self._sibling_route(sibling)
+        route = shared or self.policy.route(
             RouteRequest(request_id, prompt_token_ids, params.prompt_logprobs is not None),
             self)
         if route is None:
@@ -255,10 +262,25 @@ class Router:
             self.send(decode.worker_id, ExpectRemoteKV(
                 request_id, list(prompt_token_ids), params, time.time()))
         else:
-            decode.prefill_backlog[request_id] = len(prompt_token_ids) - route.num_cached_tokens
+            decode.prefill_backlog[request_id] = (  # shared: the prompt's tail
+                decode.info.block_size if shared else
+                len(prompt_token_ids) - route.num_cached_tokens)
             self.send(decode.worker_id, GenerateRequest(
-                request_id, list(prompt_token_ids), params, time.time()))
+                request_id, list(prompt_token_ids), params, time.time(),
+                wait_for=sibling.request_id if shared else None))
         return handle
+
+    def _sibling_route(self, sibling: RequestHandle | None) -> Route | None:
+        """A local route to the decode worker where ``sibling`` waits for its remote KV, or
+        None: no such wait, or that worker no longer accepts requests or keeps no prefix
+        cache."""
+        if sibling is None or sibling.finished or sibling.remote is None:
+            return None
+        worker = self.registry.workers.get(sibling.worker_id)
+        if (worker is None or not worker.info.enable_prefix_caching
+                or worker not in self.accepting("decode")):
+            return None
+        return Route(LOCAL, worker)
 
     # -- exits -----------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:

@@ -185,7 +185,8 @@ class Generation:
 
 def submit(router: Router, metrics: ServerMetrics, tokenizer, request_id: str,
            prompt_token_ids: list[int], params: SamplingParams, stop: list[str]) -> Generation:
-    """Place all ``params.n`` choices on workers.
+    """Place all ``params.n`` choices on workers (when the first is prefilled remotely, the
+    others wait for its KV on its decode worker: one prefill for all of them).
 
     Raises:
         NoWorkerAvailable: no worker can take them (nothing is left placed).
@@ -196,7 +197,8 @@ def submit(router: Router, metrics: ServerMetrics, tokenizer, request_id: str,
         for i in range(params.n):
             sub = dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
-            handle = router.add_request(f"{request_id}-{i}", prompt_token_ids, sub)
+            handle = router.add_request(f"{request_id}-{i}", prompt_token_ids, sub,
+                                        sibling=choices[0].handle if choices else None)
             choices.append(ChoiceState(
                 handle, IncrementalDetokenizer(tokenizer, prompt_token_ids),
                 StopStringMatcher(stop)))
