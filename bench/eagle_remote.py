@@ -40,7 +40,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 MODEL = "SmolLM2-135M-Instruct"
-EAGLE = ("--speculative-method", "eagle", "--speculative-model", "default")
+EAGLE = ("--speculative-method", "eagle", "--speculative-model", "default",
+         "--no-speculative-adaptive")  # acceptance of drafting every step, not the governor's mix
 REMOTE = ("--prefill-threshold", "512")
 BASE = ("--dtype", "float32")
 #: the prompt's words around a passage (the passage is cut to make the prompt this long)
