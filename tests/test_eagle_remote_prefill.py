@@ -187,18 +187,18 @@ def _eagle_remote_bench():
 @pytest.mark.slow
 def test_served_remote_acceptance_within_3_percent_of_local_and_greedy_identical():
     """Through ``pdserve serve`` (fp32, the shipped head, exact KV wire so that both paths
-    answer alike and acceptance compares like with like): 4 held-out prompts of >= 600
+    answer alike and acceptance compares like with like): 3 held-out prompts of >= 600
     tokens are all prefilled on the prefill worker (bf16 hidden states), answer what
     non-speculative greedy answers, and are drafted for with an acceptance length within
     3 % of a colocated server's."""
     bench = _eagle_remote_bench()
-    prompts = bench.long_prompts(4)
-    runs = {name: bench.run_config(name, prompts, max_tokens=64)
+    prompts = bench.long_prompts(3)  # 3 x 48 tokens: CI time (4 x 64 passed too)
+    runs = {name: bench.run_config(name, prompts, max_tokens=48)
             for name in ("plain-local", "remote-exact", "local")}
     summary = bench.report(runs)
     remote, local = summary["remote-exact"], summary["local"]
     assert remote["min_prompt_tokens"] >= 600
-    assert (remote["num_remote"], local["num_remote"]) == (4, 0)
+    assert (remote["num_remote"], local["num_remote"]) == (3, 0)
     assert remote["same_text_as_plain-local"], remote["num_differing_texts"]
     assert local["same_text_as_plain-local"], local["num_differing_texts"]
     assert abs(remote["ratio_to_local"] - 1) <= 0.03, summary
