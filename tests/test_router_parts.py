@@ -7,6 +7,7 @@ connects)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 
@@ -200,6 +201,32 @@ def test_predicted_policy_keeps_a_cached_history_local_and_counts_the_link():
     assert 3.2e6 < p0.kv_bytes_per_s < 3.4e6
     p0.kv_bytes_per_s = 1e6  # remote 1.0 + 10 s: local wins
     assert policy.route(RouteRequest("r", prompt(1000, 9000)), view).kind == LOCAL
+
+
+def test_predicted_policy_charges_a_prefill_for_the_prompts_arriving_during_it():
+    """A local prefill of T seconds on an idle decode worker also holds up the prompts
+    arriving meanwhile (rate lam): lam * T**2 / 2 more; so do the requests the router sent
+    it since its last heartbeat."""
+    view = View()
+    policy = PredictedTTFTPolicy(prefill_threshold=100)
+    d0 = register(view.registry, "d0", rate=500.0)
+    register(view.registry, "p0", role="prefill", kv_address=None, rate=1000.0, queued=1500)
+    # 1,000 tokens: local 2.0 s against remote (1,500 + 1,000) / 1,000 = 2.5 s
+    assert policy.route(RouteRequest("r", prompt(1000)), view).kind == LOCAL
+    for i in range(5):  # 5 short prompts just sent to d0: 5 / 10 s (the shortest span)
+        d0.queue_prefill(f"s{i}", 20)
+        d0.queue_prefill(f"s{i}", 20)  # counted once per request
+    assert d0.arrival_rate() == pytest.approx(0.5)
+    d0.prefill_backlog.clear()  # their prefill is done; the arrivals still count
+    # local 2.0 + 0.5 * 2.0**2 / 2 = 3.0 s > 2.5 s
+    assert policy.route(RouteRequest("r", prompt(1000)), view).kind == REMOTE_PREFILL
+    now = time.monotonic()
+    d0.prefill_arrivals_s = collections.deque([now - 61.0] * 5)  # out of the window
+    assert d0.arrival_rate(now) == 0.0
+    assert policy.route(RouteRequest("r", prompt(1000)), view).kind == LOCAL
+    # the heartbeat says idle, but the router has sent d0 a request since: it waits 2.0 s
+    d0.inflight.add("sent-since")
+    assert policy.route(RouteRequest("r", prompt(1000)), view).kind == REMOTE_PREFILL
 
 
 def test_routing_config_names_a_known_policy():

@@ -98,7 +98,7 @@ class RemotePrefillHandshake:
             preferred.prefill_backlog.pop(msg.request_id, None)
         remote.prefill_worker_id = prefill.worker_id
         prefill.inflight.add(msg.request_id)
-        prefill.prefill_backlog[msg.request_id] = len(remote.prompt_token_ids)
+        prefill.queue_prefill(msg.request_id, len(remote.prompt_token_ids))
         router.send(prefill.worker_id, PrefillRequest(
             msg.request_id, remote.prompt_token_ids, remote.params, time.time(),
             decode.worker_id, decode.info.kv_address))

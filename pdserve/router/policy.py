@@ -134,11 +134,13 @@ class PathEstimate:
             this prompt's, at its measured rate (plus, remote, the measured handshake
             overhead and pushing the KV at the measured link rate, an upper bound since
             layers are pushed while later ones are prefilled).
-        stall_s: decode time the prefill takes from the decode worker's running requests,
-            summed over them (a local prefill of N tokens delays each of them by N / rate).
-            Counted once instead, a busy decode worker kept long prompts local and the
-            short ones arriving behind them waited (short P99 TTFT 4.5x the threshold
-            policy's, ``bench/routing_compare.py``, 2026-12-02f).
+        stall_s: what this prefill, ``T`` seconds on its worker, adds to others' waits:
+            each request the worker holds waits ``T`` (on a decode worker), and the
+            prompts expected to arrive at it during ``T`` (its measured arrival rate
+            ``lam`` times ``T``) wait ``T / 2`` on average: ``lam * T**2 / 2``. Without
+            the arrivals, a long prompt kept on an idle-looking decode worker held up the
+            short ones arriving behind it (short P99 TTFT 4.5x the threshold policy's,
+            ``bench/routing_compare.py``, 2026-12-02g).
         worker: who prefills.
     """
 
@@ -152,15 +154,24 @@ class PathEstimate:
         return self.ttft_s + self.stall_s
 
 
+def arrivals_stall_s(worker: WorkerInfo, prefill_s: float) -> float:
+    """Summed expected wait of the prompts arriving at ``worker`` during a prefill of
+    ``prefill_s`` seconds (Poisson arrivals at its measured rate, each waiting for the rest
+    of the prefill: half of it on average)."""
+    return worker.arrival_rate() * prefill_s * prefill_s / 2
+
+
 def local_estimate(decode: WorkerInfo, num_uncached: int) -> PathEstimate | None:
     """The decode worker prefills ``num_uncached`` tokens itself; None while its prefill
-    rate is unknown."""
+    rate is unknown. Every request it holds (the router's count, which is ahead of its
+    heartbeat) waits for the prefill."""
     rate = decode.prefill_tokens_per_s
     if rate <= 0:
         return None
-    num_running = 0 if decode.load is None else decode.load.num_running
-    return PathEstimate((decode.num_prefill_tokens_queued + num_uncached) / rate,
-                        num_running * num_uncached / rate, decode)
+    prefill_s = num_uncached / rate
+    return PathEstimate(decode.num_prefill_tokens_queued / rate + prefill_s,
+                        decode.load_score * prefill_s + arrivals_stall_s(decode, prefill_s),
+                        decode)
 
 
 def remote_estimate(prefill: WorkerInfo, num_tokens: int) -> PathEstimate | None:
@@ -172,8 +183,10 @@ def remote_estimate(prefill: WorkerInfo, num_tokens: int) -> PathEstimate | None
     transfer_s = 0.0
     if prefill.kv_bytes_per_s > 0:
         transfer_s = num_tokens * prefill.kv_bytes_per_token / prefill.kv_bytes_per_s
-    return PathEstimate((prefill.num_prefill_tokens_queued + num_tokens) / rate + transfer_s
-                        + prefill.remote_overhead_s, 0.0, prefill)
+    prefill_s = num_tokens / rate
+    return PathEstimate(prefill.num_prefill_tokens_queued / rate + prefill_s + transfer_s
+                        + prefill.remote_overhead_s, arrivals_stall_s(prefill, prefill_s),
+                        prefill)
 
 
 @dataclass(frozen=True)
@@ -182,9 +195,11 @@ class PredictedTTFTPolicy(ThresholdPolicy):
 
     The least-loaded decode worker D (as :func:`choose_decode`) runs the request either
     way. Local: D prefills the prompt's tokens it does not hold cached, behind its queued
-    prefill tokens, at its measured rate, and its running requests wait that long. Remote:
-    the prefill worker with the cheapest estimate prefills the whole prompt behind its own
-    queue, at its rate, and pushes the KV. The cheaper :attr:`PathEstimate.cost_s` wins,
+    prefill tokens, at its measured rate, and the requests it holds wait that long, as do
+    the prompts expected to arrive meanwhile. Remote: the prefill worker with the cheapest
+    estimate prefills the whole prompt behind its own queue, at its rate, and pushes the
+    KV; the prompts expected to arrive there meanwhile wait. The cheaper
+    :attr:`PathEstimate.cost_s` wins,
     local on a tie. Rates and queues come from the workers' heartbeats (moving averages of
     measured steps) and the router's own count of what it sent since; a long follow-up
     turn whose history D holds stays local because only uncached tokens count.

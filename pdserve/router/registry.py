@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.messages import Heartbeat, RegisterWorker
 
 #: Weight of the newest sample in the router's moving averages of a worker's transfers.
 EMA_WEIGHT = 0.2
+#: Seconds of prefill arrivals a worker's arrival rate is measured over, and the shortest
+#: span it divides by (so two requests a moment apart do not read as a flood).
+ARRIVAL_WINDOW_S, MIN_ARRIVAL_SPAN_S = 60.0, 10.0
 
 
 def moving_average(old: float, sample: float) -> float:
@@ -33,6 +37,9 @@ class WorkerInfo:
             sender spent pushing (0 before its first transfer).
         remote_overhead_s: moving average of what a remote prefill on it took beyond its
             own prefill time: the reservation on the decode worker and the messages.
+        prefill_arrivals_s: ``time.monotonic()`` of each prompt the router sent it to
+            prefill within the last :data:`ARRIVAL_WINDOW_S` (see :meth:`arrival_rate`).
+        registered_s: ``time.monotonic()`` of its first registration.
     """
 
     info: RegisterWorker
@@ -43,6 +50,8 @@ class WorkerInfo:
     kv_bytes_per_token: float = 0.0
     kv_bytes_per_s: float = 0.0
     remote_overhead_s: float = 0.0
+    prefill_arrivals_s: deque = field(default_factory=deque)
+    registered_s: float = field(default_factory=time.monotonic)
 
     @property
     def worker_id(self) -> str:
@@ -63,6 +72,24 @@ class WorkerInfo:
         ``prefill_time_s`` (queue and prefill)."""
         self.remote_overhead_s = moving_average(self.remote_overhead_s,
                                                 max(since_routed_s - prefill_time_s, 1e-6))
+
+    def queue_prefill(self, request_id: str, num_tokens: int) -> None:
+        """Count a prompt of ``num_tokens`` the router sent it to prefill: in its backlog
+        until the first token, and (once per request) as an arrival."""
+        if request_id not in self.prefill_backlog:
+            self.prefill_arrivals_s.append(time.monotonic())
+        self.prefill_backlog[request_id] = num_tokens
+
+    def arrival_rate(self, now_s: float | None = None) -> float:
+        """Prompts sent to it to prefill per second, over the last
+        :data:`ARRIVAL_WINDOW_S` (or since it registered, but at least
+        :data:`MIN_ARRIVAL_SPAN_S`)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        arrivals = self.prefill_arrivals_s
+        while arrivals and arrivals[0] < now_s - ARRIVAL_WINDOW_S:
+            arrivals.popleft()
+        span_s = min(ARRIVAL_WINDOW_S, max(MIN_ARRIVAL_SPAN_S, now_s - self.registered_s))
+        return len(arrivals) / span_s
 
     @property
     def num_prefill_tokens_queued(self) -> int:

@@ -258,13 +258,13 @@ class Router:
             handle.remote = RemotePrefill(list(prompt_token_ids), params)
             if route.prefill is not None:  # its queue grows now, not once D has reserved
                 handle.remote.preferred_prefill_id = route.prefill.worker_id
-                route.prefill.prefill_backlog[request_id] = len(prompt_token_ids)
+                route.prefill.queue_prefill(request_id, len(prompt_token_ids))
             self.send(decode.worker_id, ExpectRemoteKV(
                 request_id, list(prompt_token_ids), params, time.time()))
         else:
-            decode.prefill_backlog[request_id] = (  # shared: the prompt's tail
-                decode.info.block_size if shared else
-                len(prompt_token_ids) - route.num_cached_tokens)
+            decode.queue_prefill(request_id,  # shared: the prompt's tail
+                                 decode.info.block_size if shared else
+                                 len(prompt_token_ids) - route.num_cached_tokens)
             self.send(decode.worker_id, GenerateRequest(
                 request_id, list(prompt_token_ids), params, time.time(),
                 wait_for=sibling.request_id if shared else None))
