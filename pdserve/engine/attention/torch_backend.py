@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionInputs, register_backend
+from pdserve.engine.kernels.chunk_attention import context_then_causal
 from pdserve.engine.kernels.kv_store import store_kv_reference
 from pdserve.engine.layers.linear import cpu_has_native_gemm
 
@@ -204,6 +205,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pre
     vp = _gather(v_cache, v_scales, p.context_slots, dtype).transpose(0, 1)
     if p.query_len <= _ROWS_MAX_QUERY:
         return _rows_per_kv_head(q, kp, vp, p.mask, scale)
+    if q.device.type == "cpu":  # context unmasked + own keys causal, merged (no mask)
+        op = context_then_causal(qp, kp[None], vp[None], kp.shape[1] - p.query_len, scale)
+        return op[0].transpose(0, 1)
     op = F.scaled_dot_product_attention(qp, kp[None], vp[None], attn_mask=p.mask, scale=scale,
                                         enable_gqa=True)
     return op[0].transpose(0, 1)
