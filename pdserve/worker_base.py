@@ -255,9 +255,9 @@ class EngineWorker:
             deltas = self.engine.step()
         except Exception:  # an engine bug fails the batch, not the worker
             logger.exception("engine step failed; failing its requests")
-            for rid in list(self.engine.requests):
-                self.engine.abort_request(rid)
+            for rid in list(self.engine.requests):  # told to its router, then aborted as
                 self.send(RequestFailed(rid, "internal engine error", is_client_error=False))
+                self.abort(rid)  # the router would (a decode worker's lock and states too)
             return
         self.after_step(deltas)
 

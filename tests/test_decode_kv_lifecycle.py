@@ -218,3 +218,38 @@ def test_abort_while_receiving_frees_the_blocks(worker):
     w.abort("a")
     assert "a" not in w.remote and "a" not in eng.requests
     assert eng.num_free_blocks == free0
+
+
+def test_a_failed_engine_step_fails_its_requests_and_keeps_the_worker(worker, monkeypatch):
+    """An engine step that raises (an engine bug, injected here) fails every request in the
+    engine through the worker's own abort: each is reported; a remote one waiting for its
+    KV leaves its lifecycle too (KV arriving later is dropped, never written into blocks
+    that were freed); every block comes back and the next steps serve."""
+    from pdserve.engine import SamplingParams
+    from pdserve.messages import ExpectRemoteKV, GenerateRequest, RequestFailed
+
+    w, router = worker[0], worker[1]
+    eng = w.engine
+    free0 = eng.num_free_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    w.handle(GenerateRequest("x", _prompt(3), params, time.time()))
+    w._step()  # x prefilled: it holds blocks
+    assert eng.num_free_blocks < free0
+    w.handle(ExpectRemoteKV("r", _prompt(4), params, time.time()))
+    router.messages()
+    real_step = eng.step
+
+    def failing_step():
+        monkeypatch.setattr(eng, "step", real_step)  # once
+        raise RuntimeError("injected engine bug")
+
+    monkeypatch.setattr(eng, "step", failing_step)
+    w._step()
+    failed = [m for m in router.messages() if isinstance(m, RequestFailed)]
+    assert sorted((m.request_id, m.is_client_error) for m in failed) == [("r", False),
+                                                                           ("x", False)]
+    assert not eng.requests and "r" not in w.remote
+    assert eng.num_free_blocks == free0
+    w.handle(GenerateRequest("y", _prompt(5), params, time.time()))
+    assert len(_run_worker(w)["y"]) == 4  # the worker still serves
+    assert eng.num_free_blocks == free0 and not eng.requests

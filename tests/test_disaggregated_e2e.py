@@ -233,6 +233,8 @@ def test_n_choices_of_a_long_prompt_share_one_remote_prefill(disagg_bf16):
     assert [c["index"] for c in out["choices"]] == [0, 1, 2]
     assert all(c["finish_reason"] == "length" for c in out["choices"])
     num_prompt = out["usage"]["prompt_tokens"]
+    # usage counts the prompt once, cached as the first choice found it (prefilled on P)
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     m = wait_idle(disagg_bf16)
     after = _prompt_tokens_by_role(disagg_bf16)
     assert after["prefill"] - before["prefill"] == num_prompt  # one remote prefill

@@ -144,6 +144,7 @@ class Generation:
             if self.first_token_s is None:
                 self.first_token_s = now
                 m.time_to_first_token.labels(m.model_name).observe(now - self.start_s)
+            if index == 0 and c.num_tokens == 0:  # the first choice's, whichever came first
                 self.num_cached_tokens = delta.num_cached_tokens
             elif index == 0 and self.last_token_s is not None:
                 m.inter_token_latency.labels(m.model_name).observe(now - self.last_token_s)
