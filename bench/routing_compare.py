@@ -41,7 +41,8 @@ import httpx
 from mixed_load import Cluster, pct, route_counts, run_requests, start_cluster, summarize, workload
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-POLICIES = ("threshold", "predicted")
+#: every --routing policy, in table order; --policies picks the ones run
+ALL_POLICIES = ("threshold", "predicted", "length")
 QUESTIONS = [
     "Summarize the document above in a few sentences.",
     "Which part of it matters most to someone running the server?",
@@ -244,7 +245,7 @@ def run_all(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     names = [f"poisson-{r:g}" for r in args.rates] + (["chat"] if args.chat else [])
     for rep in range(args.first_rep, args.first_rep + args.reps):
-        order = POLICIES if rep % 2 == 0 else POLICIES[::-1]
+        order = args.policies if rep % 2 == 0 else args.policies[::-1]
         for name in names:
             for policy in order:
                 path = args.out / f"{name}-{policy}-rep{rep}.json"
@@ -278,17 +279,22 @@ def report(out: Path) -> None:
               f"{r[f'ttft_{a}_p50']:.2f} / {r[f'ttft_{a}_p99']:.2f} | "
               f"{r[f'ttft_{b}_p50']:.2f} / {r[f'ttft_{b}_p99']:.2f} | {r['tok_s']:.1f} | "
               f"{counts} | {r['loadavg_1m_before']:.1f} |")
-    print("\nmean over repetitions (predicted / threshold):\n")
-    print("| workload | figure | threshold | predicted | ratio |\n|---|---|---|---|---|")
+    policies = [pol for pol in ALL_POLICIES if any(r["routing"] == pol for r in rows)]
+    others = [pol for pol in policies if pol != "threshold"]
+    print("\nmean over repetitions (ratios: each policy / threshold):\n")
+    print("| workload | figure | " + " | ".join(policies) + " | "
+          + " | ".join(f"{pol} / threshold" for pol in others) + " |")
+    print("|---|---|" + "---|" * (len(policies) + len(others)))
     for name in sorted({r["name"] for r in rows}):
         a, b = metric_names(name)
         for key in (f"ttft_{a}_p99", f"ttft_{b}_p99", f"ttft_{a}_p50", f"ttft_{b}_p50",
                     "tok_s"):
             values = {pol: [r[key] for r in rows if r["name"] == name and r["routing"] == pol]
-                      for pol in POLICIES}
+                      for pol in policies}
             mean = {pol: sum(v) / len(v) if v else float("nan") for pol, v in values.items()}
-            print(f"| {name} | {key} | {mean['threshold']:.2f} | {mean['predicted']:.2f} | "
-                  f"{mean['predicted'] / mean['threshold']:.2f} |")
+            base = mean.get("threshold", float("nan"))
+            print(f"| {name} | {key} | " + " | ".join(f"{mean[pol]:.2f}" for pol in policies)
+                  + " | " + " | ".join(f"{mean[pol] / base:.2f}" for pol in others) + " |")
 
 
 def main() -> None:
@@ -303,6 +309,8 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=20)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--policies", nargs="+", choices=ALL_POLICIES,
+                   default=["threshold", "predicted"], help="--routing policies to compare")
     p.add_argument("--first-rep", type=int, default=0, help="also each rep's seed")
     p.add_argument("--prefill-threshold", type=int, default=512)
     p.add_argument("--report", action="store_true", help="only print the table of --out")

@@ -38,6 +38,7 @@ from pdserve.router.policy import (
     FALLBACK,
     LOCAL,
     REMOTE_PREFILL,
+    LengthPolicy,
     PredictedTTFTPolicy,
     RouteRequest,
     ThresholdPolicy,
@@ -128,6 +129,20 @@ def test_threshold_policy_counts_only_uncached_tokens_and_prefers_the_holder():
     view.indexes.clear()
     assert policy.route(RouteRequest("r", prompt(300)), view).kind in (REMOTE_PREFILL,
                                                                        FALLBACK)
+
+
+def test_length_policy_sends_a_long_prompt_away_even_when_cached():
+    view = View()
+    register(view.registry, "d0")
+    register(view.registry, "p0", role="prefill", kv_address=None)
+    history = prompt(480)
+    view.cache("d0", history)
+    follow_up = history + prompt(60, start=1000)
+    assert ThresholdPolicy(100).route(RouteRequest("r", follow_up), view).kind == LOCAL
+    route = LengthPolicy(100).route(RouteRequest("r", follow_up), view)
+    assert (route.kind, route.num_cached_tokens) == (REMOTE_PREFILL, 480)
+    assert LengthPolicy(100).route(RouteRequest("r", prompt(99)), view).kind == LOCAL
+    assert RoutingConfig(policy="length").policy == "length"
 
 
 def test_threshold_policy_skips_draining_workers_and_checks_its_threshold():

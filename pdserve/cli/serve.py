@@ -107,13 +107,16 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     """Add the "routing" group: which prompts go to a prefill worker, and what happens when
     their KV transfer fails (``serve``, ``server`` and ``local-cluster``)."""
     g = p.add_argument_group("routing")
-    g.add_argument("--routing", default="threshold", choices=["threshold", "predicted"],
+    g.add_argument("--routing", default="threshold",
+                   choices=["threshold", "predicted", "length"],
                    help="threshold: prompts with --prefill-threshold uncached tokens or more "
-                        "go to a prefill worker; predicted: the path (decode worker itself "
-                        "or a prefill worker) with the lower predicted time to first token, "
-                        "from the workers' measured rates and queues and the stall a local "
-                        "prefill causes the decode worker's running requests "
-                        "(--prefill-threshold applies while no rate is measured yet)")
+                        "go to a prefill worker; predicted: for those, the path (decode "
+                        "worker itself or a prefill worker) with the lower predicted time to "
+                        "first token, from the workers' measured rates and queues, the stall "
+                        "a local prefill causes the decode worker's requests and the prompts "
+                        "expected to arrive meanwhile (the threshold applies while no rate "
+                        "is measured yet); length: prompts with --prefill-threshold tokens "
+                        "or more, cached or not, go to a prefill worker")
     g.add_argument("--prefill-threshold", type=int, default=512,
                    help="prompts with at least this many tokens go to a prefill worker")
     g.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],

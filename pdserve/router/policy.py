@@ -105,11 +105,32 @@ class ThresholdPolicy:
         if decode is None:
             return None
         if request.wants_prompt_logprobs or \
-                len(request.prompt_token_ids) - cached < self.prefill_threshold:
+                self.counted_tokens(request, cached) < self.prefill_threshold:
             return Route(LOCAL, decode, cached)
         if workers.accepting("prefill") and decode.info.kv_address:
             return Route(REMOTE_PREFILL, decode, cached)
         return Route(FALLBACK, decode, cached)
+
+
+    def counted_tokens(self, request: RouteRequest, num_cached: int) -> int:
+        """The prompt tokens compared with the threshold: those not cached on D."""
+        return len(request.prompt_token_ids) - num_cached
+
+
+@dataclass(frozen=True)
+class LengthPolicy(ThresholdPolicy):
+    """The rule of a plain disaggregation proxy: a prompt of at least
+    ``prefill_threshold`` tokens is prefilled by a prefill worker whatever the decode
+    worker holds cached (so a chat's long history is prefilled again every turn). The
+    router's rule before it counted cached tokens; kept as a baseline.
+
+    Raises:
+        ValueError: ``prefill_threshold < 1``.
+    """
+
+    def counted_tokens(self, request: RouteRequest, num_cached: int) -> int:
+        """The whole prompt."""
+        return len(request.prompt_token_ids)
 
 
 def choose_decode(prompt_token_ids: list[int], workers: ClusterView,
@@ -237,4 +258,5 @@ class PredictedTTFTPolicy(ThresholdPolicy):
 
 
 #: ``--routing`` choices -> policy class (each takes ``prefill_threshold``)
-POLICIES: dict[str, type] = {"threshold": ThresholdPolicy, "predicted": PredictedTTFTPolicy}
+POLICIES: dict[str, type] = {"threshold": ThresholdPolicy, "predicted": PredictedTTFTPolicy,
+                             "length": LengthPolicy}
