@@ -190,8 +190,8 @@ async def _wait_for_workers(state, server, task: asyncio.Task,
     the server stops or ``WORKER_READY_TIMEOUT_S`` passes."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WORKER_READY_TIMEOUT_S
-    # A worker that registered and then died (even if dropped before this loop looked)
-    # is the supervisor's (serving goes on), not a start-up failure.
+    state.num_workers_expected = len(workers)  # /health is 503 until they registered
+    # registered, then died (dropped or not): the supervisor's, not a start-up failure
     registered = state.router.registry.ever_registered
     while len(registered) < len(workers):
         if any(w.poll() is not None for w in workers):

@@ -20,8 +20,8 @@ from pdserve.engine.loader.default_model import find_default_gguf
 from server_utils import (
     ServerProcess,
     metrics,
+    num_workers_up,
     wait_idle,
-    wait_workers,
 )
 
 pytestmark = pytest.mark.skipif(find_default_gguf() is None,
@@ -77,7 +77,9 @@ def colocated():
 @pytest.fixture(scope="module")
 def disagg_bf16():
     srv = ServerProcess("--kv-transfer-dtype", "auto", colocated=False)
-    wait_workers(srv, "prefill", 1)
+    # /health turned 200 only once serve's every worker registered: the first long
+    # prompt finds its prefill worker (it used to be prefilled on the decode worker)
+    assert num_workers_up(srv, "prefill") == 1
     yield srv
     srv.stop()
 

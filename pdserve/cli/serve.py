@@ -118,7 +118,9 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                         "is measured yet); length: prompts with --prefill-threshold tokens "
                         "or more, cached or not, go to a prefill worker")
     g.add_argument("--prefill-threshold", type=int, default=512,
-                   help="prompts with at least this many tokens go to a prefill worker")
+                   help="prompts with at least this many tokens not cached on the decode "
+                        "worker go to a prefill worker (length: tokens, cached or not; "
+                        "predicted: the floor below which a prompt stays local)")
     g.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="when a KV transfer fails: recompute on the decode worker, or fail")
     g.add_argument("--migration-timeout", type=float, default=120.0,

@@ -169,6 +169,11 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
         if not state.router.is_healthy:
             return JSONResponse(error_body("the router is restarting a failed loop",
                                            "service_unavailable"), status_code=503)
+        starting = state.num_workers_expected - len(state.router.registry.ever_registered)
+        if starting > 0:
+            return JSONResponse(error_body(f"starting: {starting} of the workers have not "
+                                           "registered yet", "service_unavailable"),
+                                status_code=503)
         if state.router.alive_workers("decode"):
             return Response(status_code=200)
         return JSONResponse(error_body("no worker is registered and alive",

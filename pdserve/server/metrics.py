@@ -84,7 +84,9 @@ class ServerMetrics:
         restarts and lag, retries and migrations, and prefill times."""
         r, lbl = self.registry, _MODEL_LABEL
         self.route_decisions = Counter(
-            "pdserve:route_decisions", "Routing decisions (local, remote_prefill, fallback).",
+            "pdserve:route_decisions",
+            "Routing decisions (local, remote_prefill, fallback), one per choice (n > 1 counts "
+            "each).",
             lbl + ("route",), registry=r)
         self.kv_transfer_bytes = Counter(
             "pdserve:kv_transfer_bytes", "KV bytes pushed from prefill to decode workers.", lbl,

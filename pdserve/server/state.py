@@ -29,6 +29,8 @@ class ServerState:
         scrape_worker_metrics: ``/metrics`` adds the series of every worker that registered
             its own endpoint (:mod:`pdserve.server.worker_scrape`).
         worker_scraper: what fetches them, made on the first scrape that needs it.
+        num_workers_expected: workers ``serve`` started: ``/health`` answers 503 until
+            that many have registered (then a long prompt finds its prefill worker).
     """
 
     router: Router
@@ -42,6 +44,7 @@ class ServerState:
     draining: bool = False
     scrape_worker_metrics: bool = False
     worker_scraper: WorkerMetricsScraper | None = None
+    num_workers_expected: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     system_fingerprint: str = "pdserve-0.1.0"
 
