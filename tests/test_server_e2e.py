@@ -160,6 +160,10 @@ def test_completions_with_prompt_list_and_token_ids(client, tokenizer):
 def test_models_health_and_version(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found"
     assert httpx.get(f"{server.base}/health").status_code == 200
     assert httpx.get(f"{server.base}/version").json()["version"]
 

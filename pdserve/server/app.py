@@ -18,6 +18,7 @@ from pdserve.server.errors import APIError
 from pdserve.server.protocol import ModelCard, ModelList, error_body
 from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
+from pdserve.server.serving_common import check_model
 from pdserve.server.serving_tokenize import detokenize, tokenize
 from pdserve.server.state import ServerState
 from pdserve.server.worker_scrape import WorkerMetricsScraper, render_merged
@@ -154,6 +155,12 @@ def _add_api_routes(app: FastAPI, state: ServerState) -> None:
         card = ModelCard(id=state.model_name, created=state.created,
                          max_model_len=state.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # OpenAI's "retrieve model"; 404 for any other name
+        check_model(state, model_id)
+        return JSONResponse(ModelCard(id=state.model_name, created=state.created,
+                                      max_model_len=state.max_model_len).model_dump(mode="json"))
 
 
 def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
