@@ -111,7 +111,6 @@ class ThresholdPolicy:
             return Route(REMOTE_PREFILL, decode, cached)
         return Route(FALLBACK, decode, cached)
 
-
     def counted_tokens(self, request: RouteRequest, num_cached: int) -> int:
         """The prompt tokens compared with the threshold: those not cached on D."""
         return len(request.prompt_token_ids) - num_cached
