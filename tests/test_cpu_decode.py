@@ -150,7 +150,9 @@ def test_fused_decoder_matches_the_eager_model(arch, tmp_path):
     with torch.no_grad():
         ref, ref_aux = runner.model(ids, pos, runner.kv_caches, meta, aux_layer_ids=(0, 1))
     assert hidden.dtype == torch.bfloat16 and hidden.shape == ref.shape
-    torch.testing.assert_close(hidden.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    # the final norm's output is of unit scale, where a bf16 step is 2^-7: a few steps apart
+    # where the eager GEMMs are oneDNN's native bf16 ones (another summation order)
+    torch.testing.assert_close(hidden.float(), ref.float(), rtol=2e-2, atol=4e-2)
     torch.testing.assert_close(aux.float(), ref_aux.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(kv_fused.float(), runner.kv_cache.float(), rtol=2e-2, atol=2e-2)
     # the written slots changed, nothing else did

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -148,26 +149,105 @@ inline void bf16_tile(const uint16_t* W, int64_t K, const float* X, int64_t n0, 
     }
 }
 
-// Weight rows [n0, n1) times all M activation rows: tiles of 8 x 1, 4 x 2 or 2 x 4 (eight
-// accumulators: enough independent FMAs to hide their latency), single rows at the end.
-template <int NR, int MR>
-inline void bf16_rows(const uint16_t* W, int64_t K, const float* X, int64_t n0, int64_t n1,
-                      int64_t m0, float* Y, int64_t ldy) {
+// Weight rows [n0, n1) times activation rows m0 .. m0 + MR: tiles of NR x MR, single rows
+// at the end.
+template <int NR, int MR, typename Tile>
+inline void bf16_rows(Tile tile, int64_t n0, int64_t n1, int64_t m0) {
     int64_t n = n0;
-    for (; n + NR <= n1; n += NR) bf16_tile<NR, MR>(W, K, X, n, m0, Y, ldy);
-    for (; n < n1; ++n) bf16_tile<1, MR>(W, K, X, n, m0, Y, ldy);
+    for (; n + NR <= n1; n += NR) tile.template run<NR, MR>(n, m0);
+    for (; n < n1; ++n) tile.template run<1, MR>(n, m0);
 }
 
+// AVX2 tiles over fp32 activations: 8 x 1, 4 x 2, 2 x 3 or 2 x 4 (up to eight
+// accumulators: enough independent FMAs to hide their latency).
+struct Avx2Tile {
+    const uint16_t* W;
+    int64_t K;
+    const float* X;
+    float* Y;
+    int64_t ldy;
+    template <int NR, int MR>
+    void run(int64_t n, int64_t m) const { bf16_tile<NR, MR>(W, K, X, n, m, Y, ldy); }
+};
+
+#if defined(__AVX512BF16__)
+// A tile of NR bf16 weight rows times MR bf16 activation rows with AVX512-BF16 dot products
+// (vdpbf16ps: 32 columns, pairs of products summed into 16 fp32 lanes), then the lanes'
+// sum and the tail one column at a time. As in bf16_tile, every output is summed in this
+// order whatever the tile.
+template <int NR, int MR>
+inline void bf16_tile_dp(const uint16_t* W, int64_t K, const uint16_t* Xb, const float* X,
+                         int64_t n0, int64_t m0, float* Y, int64_t ldy) {
+    __m512 acc[NR][MR];
+    for (int i = 0; i < NR; ++i)
+        for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+    const int64_t K32 = K - K % 32;
+    for (int64_t k = 0; k < K32; k += 32) {
+        __m512bh w[NR];
+        for (int i = 0; i < NR; ++i)
+            w[i] = (__m512bh)_mm512_loadu_si512(W + (n0 + i) * K + k);
+        for (int j = 0; j < MR; ++j) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(Xb + (m0 + j) * K + k);
+            for (int i = 0; i < NR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[i], x);
+        }
+    }
+    for (int i = 0; i < NR; ++i) {
+        const uint16_t* row = W + (n0 + i) * K;
+        for (int j = 0; j < MR; ++j) {
+            const float* x = X + (m0 + j) * K;
+            float s = _mm512_reduce_add_ps(acc[i][j]);
+            for (int64_t k = K32; k < K; ++k) s += bf16_value(row[k]) * x[k];
+            Y[(m0 + j) * ldy + n0 + i] = s;
+        }
+    }
+}
+
+struct DpTile {
+    const uint16_t* W;
+    int64_t K;
+    const uint16_t* Xb;
+    const float* X;
+    float* Y;
+    int64_t ldy;
+    template <int NR, int MR>
+    void run(int64_t n, int64_t m) const { bf16_tile_dp<NR, MR>(W, K, Xb, X, n, m, Y, ldy); }
+};
+#endif
+
+// Rows of a weight panel against every activation row, 4 at a time, then the 1-3 left
+// (NR weight rows per tile for each activation row count).
+template <int NR4, int NR3, int NR2, int NR1, typename Tile>
+inline void bf16_panel(Tile tile, int64_t n0, int64_t n1, int64_t M) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) bf16_rows<NR4, 4>(tile, n0, n1, m);
+    switch (M - m) {
+        case 3: bf16_rows<NR3, 3>(tile, n0, n1, m); break;
+        case 2: bf16_rows<NR2, 2>(tile, n0, n1, m); break;
+        case 1: bf16_rows<NR1, 1>(tile, n0, n1, m); break;
+        default: break;
+    }
+}
+
+// Y = X W^T over a bf16 segment. The weight goes through in panels of ~24 KB (L1) and
+// every activation row meets a panel while it is cached: the weight is read from memory
+// once per call whatever M (a 32-row LM head read its 56 MB eight times before).
 void gemv_bf16(const Segment& g, int64_t K, const float* X, int64_t M, float* Y, int64_t ldy) {
     const uint16_t* W = reinterpret_cast<const uint16_t*>(g.w.data_ptr<at::BFloat16>());
+    const int64_t panel = std::max<int64_t>(8, (24576 / (2 * K)) / 8 * 8);
+#if defined(__AVX512BF16__)
+    std::vector<uint16_t> xb(M * K);  // the activations are bf16 values: exact
+    for (int64_t i = 0; i < M * K; ++i) xb[i] = bf16_bits(bf16_round(X[i]));
+    const DpTile tile{W, K, xb.data(), X, Y, ldy};
+#else
+    const Avx2Tile tile{W, K, X, Y, ldy};
+#endif
     at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) bf16_rows<2, 4>(W, K, X, begin, end, m, Y, ldy);
-        switch (M - m) {
-            case 3: bf16_rows<2, 3>(W, K, X, begin, end, m, Y, ldy); break;
-            case 2: bf16_rows<4, 2>(W, K, X, begin, end, m, Y, ldy); break;
-            case 1: bf16_rows<8, 1>(W, K, X, begin, end, m, Y, ldy); break;
-            default: break;
+        for (int64_t p = begin; p < end; p += panel) {
+#if defined(__AVX512BF16__)
+            bf16_panel<4, 4, 8, 8>(tile, p, std::min(end, p + panel), M);
+#else
+            bf16_panel<2, 2, 4, 8>(tile, p, std::min(end, p + panel), M);
+#endif
         }
     });
 }
