@@ -15,6 +15,8 @@ from pdserve.engine.sampling_params import SamplingParams
 needs_kernel = pytest.mark.skipif(cd.cpu_decode_module() is None,
                                   reason="no AVX2/FMA/F16C or no C++ toolchain")
 pytestmark = needs_kernel
+#: The builds this CPU runs (the AVX2 one everywhere, AVX512-BF16 where the CPU has it).
+ISAS = [name for name, (_, needs) in cd.BUILDS.items() if needs <= cd.cpu_flags()]
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,18 +59,20 @@ def _segment(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[tuple, to
     return cd.int4_segment(codes, d, m), w, {"codes": codes, "d": d, "m": m}
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["bf16", "int4", "int8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-def test_fused_linear_matches_its_definition(kind, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32])
+def test_fused_linear_matches_its_definition(kind, rows, isa):
     """Each weight kind computes what its docstring says (bf16 values rounded at the end),
     two segments fill their own output columns, the bias is added, and each token's row is
-    bit for bit the one-row call (plain decoding = speculative verification)."""
+    bit for bit the one-row call (plain decoding = speculative verification), in every
+    build this CPU runs (K = 104: whole 32-column blocks and a tail; 32 rows: the panels)."""
     gen = torch.Generator().manual_seed(rows * 7 + len(kind))
-    k = 96
+    k = 96 if kind != "bf16" else 104
     seg_a, w_a, parts_a = _segment(kind, 48, k, gen)
     seg_b, w_b, parts_b = _segment(kind, 32, k, gen)
     bias = torch.randn(80, generator=gen).bfloat16().float()
-    lin = cd.cpu_decode_module().FusedLinear([seg_a, seg_b], bias, k)
+    lin = cd.cpu_decode_module(isa).FusedLinear([seg_a, seg_b], bias, k)
     x = torch.randn(rows, k, generator=gen).bfloat16().float()
     y = lin.forward(x)
     ref = torch.cat([_reference(kind, x, w_a, parts_a), _reference(kind, x, w_b, parts_b)], -1)
@@ -121,12 +125,16 @@ def _step_inputs(runner, query_lens: list[int], seq_lens: list[int],
     return (torch.tensor(ids), torch.tensor(pos), torch.tensor(slots))
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fused_decoder_matches_the_eager_model(arch, tmp_path):
+def test_fused_decoder_matches_the_eager_model(arch, isa, tmp_path, monkeypatch):
     """On a random-weight checkpoint of each family (GQA, q/k/v bias, q/k norm, RoPE
     scalings), a step of decodes and verification rows over a filled cache gives the eager
-    bf16 model's hidden states, K/V and EAGLE-3 features, within bf16 rounding."""
+    bf16 model's hidden states, K/V and EAGLE-3 features, within bf16 rounding, in every
+    build this CPU runs (contexts of 17-40 keys: whole blocks of 8 and tails)."""
     from conftest import build_tiny_checkpoint
+
+    monkeypatch.setenv("PDSERVE_CPU_DECODE_ISA", isa)
 
     build_tiny_checkpoint(arch, tmp_path)
     llm = LLM(str(tmp_path), dtype="bfloat16", load_progress=False, block_size=16,

@@ -220,8 +220,10 @@ def _unsupported(model: nn.Module, kv_cache: torch.Tensor, dtype: torch.dtype,
                                                                         RotaryEmbedding):
         return f"{type(inner).__name__} changes the Llama forward"
     cfg = model.cfg
-    if inner.rotary.cos_cached.shape[1] != cfg.head_dim or cfg.head_dim % 8:
+    if inner.rotary.cos_cached.shape[1] != cfg.head_dim:
         return "rotary dimension differs from the head dimension"
+    if cfg.head_dim not in (16, 32, 64, 128):
+        return "head_dim other than 16, 32, 64 or 128"
     if any(type(layer.mlp) is not LlamaMLP for layer in inner.layers):
         return "an MLP other than SwiGLU"
     return None

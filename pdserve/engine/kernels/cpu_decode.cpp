@@ -66,6 +66,51 @@ inline float hsum(__m256 v) {
 
 inline float f16_value(uint16_t h) { return _cvtsh_ss(h); }
 
+// ---------------------------------------------------------------- elementwise, 8 lanes
+
+// bf16_round of 8 lanes: the same rule (round to nearest even; NaN stays NaN).
+inline __m256 bf16_round8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m256i r = _mm256_and_si256(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), hi);
+    const __m256i nan = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x00400000));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan),
+                            _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// y[i] = bf16(a[i] + b[i]) (b may be null: y = bf16(a)); y may alias a or b.
+inline void add_round(const float* a, const float* b, float* y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(a + i);
+        if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + i));
+        _mm256_storeu_ps(y + i, bf16_round8(v));
+    }
+    for (; i < n; ++i) y[i] = bf16_round(b ? a[i] + b[i] : a[i]);
+}
+
+// e^x for 8 lanes, about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
+// Taylor polynomial (Horner), times 2^n built in the exponent field. Clamped to fp32's range.
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  // ln2 in two parts
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 // ---------------------------------------------------------------- activations as int8
 
 struct QuantAct {
@@ -417,11 +462,7 @@ void linear(const Linear& L, const float* X, int64_t M, float* Y) {
     }
     for (int64_t m = 0; m < M; ++m) {
         float* y = Y + m * L.N;
-        if (!L.bias.empty()) {
-            for (int64_t n = 0; n < L.N; ++n) y[n] = bf16_round(y[n] + L.bias[n]);
-        } else {
-            for (int64_t n = 0; n < L.N; ++n) y[n] = bf16_round(y[n]);
-        }
+        add_round(y, L.bias.empty() ? nullptr : L.bias.data(), y, L.N);
     }
 }
 
@@ -470,12 +511,22 @@ void rmsnorm(const float* x, const std::vector<float>& w, int64_t rows, int64_t 
              float* out) {
     for (int64_t r = 0; r < rows; ++r) {
         const float* xr = x + r * H;
-        float ss = 0.f;
-        for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-        for (int64_t i = 0; i < H; ++i) {
-            out[r * H + i] = bf16_round(w[i] * bf16_round(xr[i] * inv));
+        __m256 ss8 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= H; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            ss8 = _mm256_fmadd_ps(v, v, ss8);
         }
+        float ss = hsum(ss8);
+        for (int64_t j = i; j < H; ++j) ss += xr[j] * xr[j];
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+        const __m256 inv8 = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= H; i += 8) {
+            const __m256 v = bf16_round8(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv8));
+            const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(&w[i]), v);
+            _mm256_storeu_ps(out + r * H + i, bf16_round8(y));
+        }
+        for (; i < H; ++i) out[r * H + i] = bf16_round(w[i] * bf16_round(xr[i] * inv));
     }
 }
 
@@ -495,7 +546,8 @@ class FusedDecoder {
         : H_(hidden), Hq_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate),
           eps_(static_cast<float>(eps)), cos_(cos.to(torch::kFloat32).contiguous()),
           sin_(signed_sin.to(torch::kFloat32).contiguous()), final_norm_(to_floats(final_norm)) {
-        TORCH_CHECK(D_ % 8 == 0 && Hq_ % Hkv_ == 0, "head_dim % 8 and heads % kv heads");
+        TORCH_CHECK((D_ == 16 || D_ == 32 || D_ == 64 || D_ == 128) && Hq_ % Hkv_ == 0,
+                    "head_dim 16, 32, 64 or 128 and heads % kv heads");
         TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == D_, "rotary tables must be [pos, D]");
     }
 
@@ -566,12 +618,12 @@ class FusedDecoder {
             if (l == 0) {
                 res = h;
             } else {
-                for (int64_t i = 0; i < M * H_; ++i) res[i] = bf16_round(h[i] + res[i]);
+                add_round(h.data(), res.data(), res.data(), M * H_);
             }
             rmsnorm(res.data(), layers_[l].input_norm, M, H_, eps_, x.data());
             layer(layers_[l], l, st, M, x, h, res);
         }
-        for (int64_t i = 0; i < M * H_; ++i) res[i] = bf16_round(h[i] + res[i]);
+        add_round(h.data(), res.data(), res.data(), M * H_);
         rmsnorm(res.data(), final_norm_, M, H_, eps_, x.data());
         auto out = torch::empty({M, H_}, torch::kBFloat16);
         auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -606,16 +658,25 @@ class FusedDecoder {
         attention(qkv.data(), M, qkv_n, l, st, attn.data());
         std::vector<float> o(M * H_);
         linear(ly.o, attn.data(), M, o.data());
-        for (int64_t i = 0; i < M * H_; ++i) res[i] = bf16_round(o[i] + res[i]);
+        add_round(o.data(), res.data(), res.data(), M * H_);
         std::vector<float> xn(M * H_);
         rmsnorm(res.data(), ly.post_norm, M, H_, eps_, xn.data());
         std::vector<float> gu(M * 2 * I_), act(M * I_);
         linear(ly.gate_up, xn.data(), M, gu.data());
         for (int64_t t = 0; t < M; ++t) {
             const float* g = gu.data() + t * 2 * I_;
-            for (int64_t i = 0; i < I_; ++i) {
+            float* a = act.data() + t * I_;
+            int64_t i = 0;
+            for (; i + 8 <= I_; i += 8) {  // bf16(silu(gate)) * up, rounded
+                const __m256 x = _mm256_loadu_ps(g + i);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+                const __m256 s = bf16_round8(
+                    _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+                _mm256_storeu_ps(a + i, bf16_round8(_mm256_mul_ps(s, _mm256_loadu_ps(g + I_ + i))));
+            }
+            for (; i < I_; ++i) {
                 const float s = bf16_round(g[i] / (1.f + std::exp(-g[i])));
-                act[t * I_ + i] = bf16_round(s * g[I_ + i]);
+                a[i] = bf16_round(s * g[I_ + i]);
             }
         }
         linear(ly.down, act.data(), M, h.data());
@@ -632,10 +693,13 @@ class FusedDecoder {
             const float* s = S + pos[t] * D_;
             for (int64_t hd = 0; hd < Hq_ + Hkv_; ++hd) {
                 float* v = qkv + t * ld + hd * D_;
-                for (int64_t i = 0; i < D_; ++i) {
-                    const float rolled = v[(i + half) % D_];
-                    tmp[i] = bf16_round(bf16_round(v[i] * bf16_round(c[i])) +
-                                        bf16_round(rolled * bf16_round(s[i])));
+                for (int64_t i = 0; i < D_; i += 8) {  // D % 16 == 0: halves of whole lanes
+                    const int64_t j = i < half ? i + half : i - half;  // roll by D / 2
+                    const __m256 a = bf16_round8(_mm256_mul_ps(
+                        _mm256_loadu_ps(v + i), bf16_round8(_mm256_loadu_ps(c + i))));
+                    const __m256 b = bf16_round8(_mm256_mul_ps(
+                        _mm256_loadu_ps(v + j), bf16_round8(_mm256_loadu_ps(s + i))));
+                    _mm256_storeu_ps(tmp.data() + i, bf16_round8(_mm256_add_ps(a, b)));
                 }
                 std::memcpy(v, tmp.data(), D_ * sizeof(float));
             }
@@ -664,61 +728,182 @@ class FusedDecoder {
     // pos of its request, read through its block table), fp32, rounded to bf16.
     void attention(const float* qkv, int64_t M, int64_t ld, int64_t l, const Step& st,
                    float* out) const {
+        switch (D_ / 16) {
+            case 1: return attention_nz<1>(qkv, M, ld, l, st, out);
+            case 2: return attention_nz<2>(qkv, M, ld, l, st, out);
+            case 4: return attention_nz<4>(qkv, M, ld, l, st, out);
+            case 8: return attention_nz<8>(qkv, M, ld, l, st, out);
+            default: TORCH_CHECK(false, "fused attention takes head_dim 16, 32, 64 or 128");
+        }
+    }
+
+    // The same with D = 16 * NZ, NZ a compile-time count so a head's accumulators stay in
+    // registers. Per (token, KV head): the scores of each query head of the group 8 keys at
+    // a time (one sum of 8 lanes per key: dot8), a vectorized softmax, then the value rows
+    // weighted into NZ 16-lane accumulators per query head.
+    template <int NZ>
+    void attention_nz(const float* qkv, int64_t M, int64_t ld, int64_t l, const Step& st,
+                      float* out) const {
         const uint16_t *K = cache(st, l, 0), *V = cache(st, l, 1);
-        const int64_t group = Hq_ / Hkv_, kv_size = Hkv_ * D_, nd = D_ / 8;
+        const int64_t group = Hq_ / Hkv_, kv_size = Hkv_ * D_;
         const float scale = 1.f / std::sqrt(static_cast<float>(D_));
         at::parallel_for(0, M * Hkv_, 1, [&](int64_t begin, int64_t end) {
             std::vector<float> scores;
-            std::vector<__m256> acc(group * nd);
+            std::vector<const uint16_t*> krow, vrow;
             for (int64_t task = begin; task < end; ++task) {
                 const int64_t t = task / Hkv_, g = task % Hkv_;
                 const int64_t ctx = st.pos[t] + 1;
                 const int64_t* bt = st.tables + st.rows[t] * st.max_blocks;
                 TORCH_CHECK((ctx + st.block_size - 1) / st.block_size <= st.max_blocks,
                             "context longer than the block table");
-                const float* q = qkv + t * ld + g * group * D_;
-                scores.resize(group * ctx);
+                krow.resize(ctx);
+                vrow.resize(ctx);
                 for (int64_t j = 0; j < ctx; ++j) {
                     const int64_t slot = bt[j / st.block_size] * st.block_size + j % st.block_size;
-                    const uint16_t* k = K + slot * kv_size + g * D_;
-                    for (int64_t h = 0; h < group; ++h) {
-                        __m256 a = _mm256_setzero_ps();
-                        for (int64_t c = 0; c < nd; ++c)
-                            a = _mm256_fmadd_ps(load_bf16x8(k + 8 * c),
-                                                _mm256_loadu_ps(q + h * D_ + 8 * c), a);
-                        scores[h * ctx + j] = hsum(a) * scale;
-                    }
+                    krow[j] = K + slot * kv_size + g * D_;
+                    vrow[j] = V + slot * kv_size + g * D_;
                 }
+                scores.resize(ctx);
                 for (int64_t h = 0; h < group; ++h) {
-                    float* sc = scores.data() + h * ctx;
-                    float mx = sc[0];
-                    for (int64_t j = 1; j < ctx; ++j) mx = std::max(mx, sc[j]);
-                    float sum = 0.f;
-                    for (int64_t j = 0; j < ctx; ++j) {
-                        sc[j] = std::exp(sc[j] - mx);
-                        sum += sc[j];
-                    }
-                    const float inv = 1.f / sum;
-                    for (int64_t j = 0; j < ctx; ++j) sc[j] *= inv;
-                }
-                for (auto& a : acc) a = _mm256_setzero_ps();
-                for (int64_t j = 0; j < ctx; ++j) {
-                    const int64_t slot = bt[j / st.block_size] * st.block_size + j % st.block_size;
-                    const uint16_t* v = V + slot * kv_size + g * D_;
-                    for (int64_t c = 0; c < nd; ++c) {
-                        const __m256 vv = load_bf16x8(v + 8 * c);
-                        for (int64_t h = 0; h < group; ++h)
-                            acc[h * nd + c] = _mm256_fmadd_ps(
-                                _mm256_set1_ps(scores[h * ctx + j]), vv, acc[h * nd + c]);
-                    }
-                }
-                for (int64_t h = 0; h < group; ++h) {
+                    const float* q = qkv + t * ld + (g * group + h) * D_;
+                    head_scores<NZ>(q, krow.data(), ctx, scale, scores.data());
+                    softmax(scores.data(), ctx);
                     float* o = out + t * Hq_ * D_ + (g * group + h) * D_;
-                    for (int64_t c = 0; c < nd; ++c) _mm256_storeu_ps(o + 8 * c, acc[h * nd + c]);
-                    for (int64_t i = 0; i < D_; ++i) o[i] = bf16_round(o[i]);
+                    weigh_values<NZ>(scores.data(), vrow.data(), ctx, o);
                 }
             }
         });
+    }
+
+#if defined(__AVX512BF16__)
+    // sc[j] = scale * q . k_j, bf16 dot products (q holds bf16 values: exact) summed in
+    // 8 fp32 lanes, then across them.
+    template <int NZ>
+    static void head_scores(const float* q, const uint16_t* const* krow, int64_t ctx,
+                            float scale, float* sc) {
+        __m256bh qb[NZ];  // 16 bf16 each
+        for (int c = 0; c < NZ; ++c) {
+            alignas(32) uint16_t tmp[16];
+            for (int i = 0; i < 16; ++i) tmp[i] = bf16_bits(bf16_round(q[16 * c + i]));
+            qb[c] = (__m256bh)_mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+        }
+        int64_t j = 0;
+        for (; j + 8 <= ctx; j += 8) {
+            __m256 acc[8];
+            for (int i = 0; i < 8; ++i) {
+                acc[i] = _mm256_setzero_ps();
+                for (int c = 0; c < NZ; ++c)
+                    acc[i] = _mm256_dpbf16_ps(acc[i], qb[c], (__m256bh)_mm256_loadu_si256(
+                        reinterpret_cast<const __m256i*>(krow[j + i] + 16 * c)));
+            }
+            _mm256_storeu_ps(sc + j, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
+        }
+        for (; j < ctx; ++j) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int c = 0; c < NZ; ++c)
+                acc = _mm256_dpbf16_ps(acc, qb[c], (__m256bh)_mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(krow[j] + 16 * c)));
+            sc[j] = hsum(acc) * scale;
+        }
+    }
+
+    // o = bf16(sum_j p_j v_j): fp32 products, 16 lanes per register.
+    template <int NZ>
+    static void weigh_values(const float* p, const uint16_t* const* vrow, int64_t ctx,
+                             float* o) {
+        __m512 acc[NZ];
+        for (int c = 0; c < NZ; ++c) acc[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < ctx; ++j) {
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            for (int c = 0; c < NZ; ++c) {
+                const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[j] + 16 * c))), 16));
+                acc[c] = _mm512_fmadd_ps(pj, v, acc[c]);
+            }
+        }
+        for (int c = 0; c < NZ; ++c) {
+            _mm256_storeu_ps(o + 16 * c, bf16_round8(_mm512_castps512_ps256(acc[c])));
+            const __m256 upper =
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[c]), 1));
+            _mm256_storeu_ps(o + 16 * c + 8, bf16_round8(upper));
+        }
+    }
+#else
+    // sc[j] = scale * q . k_j: fp32 FMAs over 8 lanes, 8 keys at a time, then across lanes.
+    template <int NZ>
+    static void head_scores(const float* q, const uint16_t* const* krow, int64_t ctx,
+                            float scale, float* sc) {
+        int64_t j = 0;
+        for (; j + 8 <= ctx; j += 8) {
+            __m256 acc[8];
+            for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+            for (int c = 0; c < 2 * NZ; ++c) {
+                const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+                for (int i = 0; i < 8; ++i)
+                    acc[i] = _mm256_fmadd_ps(load_bf16x8(krow[j + i] + 8 * c), qc, acc[i]);
+            }
+            _mm256_storeu_ps(sc + j, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
+        }
+        for (; j < ctx; ++j) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int c = 0; c < 2 * NZ; ++c)
+                acc = _mm256_fmadd_ps(load_bf16x8(krow[j] + 8 * c), _mm256_loadu_ps(q + 8 * c),
+                                      acc);
+            sc[j] = hsum(acc) * scale;
+        }
+    }
+
+    // o = bf16(sum_j p_j v_j): fp32 products, 8 lanes per register.
+    template <int NZ>
+    static void weigh_values(const float* p, const uint16_t* const* vrow, int64_t ctx,
+                             float* o) {
+        __m256 acc[2 * NZ];
+        for (int c = 0; c < 2 * NZ; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < ctx; ++j) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            for (int c = 0; c < 2 * NZ; ++c)
+                acc[c] = _mm256_fmadd_ps(pj, load_bf16x8(vrow[j] + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < 2 * NZ; ++c) _mm256_storeu_ps(o + 8 * c, bf16_round8(acc[c]));
+    }
+#endif
+
+    // Eight 8-lane sums at once: lane i of the result is the sum of a[i]'s lanes.
+    static __m256 sum8x8(const __m256* a) {
+        const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+        const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+        const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+        return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                             _mm256_permute2f128_ps(u0, u1, 0x31));
+    }
+
+    // sc[0 .. n) = softmax(sc) in place (fp32).
+    static void softmax(float* sc, int64_t n) {
+        __m256 mx8 = _mm256_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mx8);
+        float mx = lanes[0];
+        for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+        for (int64_t i = j; i < n; ++i) mx = std::max(mx, sc[i]);
+        const __m256 m8 = _mm256_set1_ps(mx);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (j = 0; j + 8 <= n; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m8));
+            _mm256_storeu_ps(sc + j, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum(sum8);
+        for (; j < n; ++j) {
+            sc[j] = std::exp(sc[j] - mx);
+            sum += sc[j];
+        }
+        const float inv = 1.f / sum;
+        const __m256 inv8 = _mm256_set1_ps(inv);
+        for (j = 0; j + 8 <= n; j += 8)
+            _mm256_storeu_ps(sc + j, _mm256_mul_ps(_mm256_loadu_ps(sc + j), inv8));
+        for (; j < n; ++j) sc[j] *= inv;
     }
 
     int64_t H_, Hq_, Hkv_, D_, I_;
@@ -763,13 +948,14 @@ torch::Tensor gemv(torch::Tensor w, torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemv", &gemv, pybind11::call_guard<pybind11::gil_scoped_release>());
-    pybind11::class_<FusedDecoder>(m, "FusedDecoder")
+    // module_local: the AVX2 and the AVX512-BF16 builds can be loaded in one process
+    pybind11::class_<FusedDecoder>(m, "FusedDecoder", pybind11::module_local())
         .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
                             torch::Tensor, torch::Tensor>())
         .def("add_layer", &FusedDecoder::add_layer)
         .def("num_layers", &FusedDecoder::num_layers)
         .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
-    pybind11::class_<FusedLinear>(m, "FusedLinear")
+    pybind11::class_<FusedLinear>(m, "FusedLinear", pybind11::module_local())
         .def(pybind11::init<FusedDecoder::Segs, torch::Tensor, int64_t>())
         .def("forward", &FusedLinear::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -31,6 +31,7 @@ AVX512-BF16 (Zen 4, Intel since Cooper Lake) the build's bf16 GEMVs multiply wit
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -42,9 +43,15 @@ from pdserve.engine.kernels.cpu_build import build_cpu_extension, cpu_flags
 MAX_FUSED_TOKENS = 32
 #: Weight segment kinds (the C++ ``Kind``).
 BF16, INT4, INT8 = 0, 1, 2
-#: CPU flags for the build whose bf16 GEMVs use AVX512-BF16 dot products (``vdpbf16ps``:
-#: 32 bf16 products per instruction against AVX2's 8 fp32 FMAs after a conversion).
-AVX512_BF16_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"], frozenset({"avx2", "fma", "f16c"})
+#: The builds, best first: ``name -> (compiler flags, CPU flags needed)``. The AVX512-BF16
+#: one multiplies bf16 GEMVs and attention scores with ``vdpbf16ps`` (32 bf16 products
+#: per instruction against AVX2's 8 fp32 FMAs after a conversion).
+BUILDS = {
+    "avx512_bf16": (_AVX2[0] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+                    _AVX2[1] | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+    "avx2": _AVX2,
+}
 #: Columns per int4 scale block and per activation quantization block.
 BLOCK = 32
 
@@ -52,22 +59,35 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def cpu_decode_module():
-    """The built extension (building it on first use), or None where it is unavailable."""
-    if "module" in _state:
-        return _state["module"]
+def cpu_decode_module(isa: str | None = None):
+    """The built extension (building it on first use), or None where it is unavailable.
+
+    Args:
+        isa: ``"avx512_bf16"`` or ``"avx2"``: that build (None where the CPU lacks its
+            flags); None: the best build this CPU runs, unless ``PDSERVE_CPU_DECODE_ISA``
+            names one.
+
+    Raises:
+        ValueError: an unknown ``isa``.
+    """
+    isa = isa or os.environ.get("PDSERVE_CPU_DECODE_ISA") or None
+    if isa not in (None, *BUILDS):
+        raise ValueError(f"unknown ISA {isa!r}: expected one of {sorted(BUILDS)}")
+    key = isa or "best"
+    if key in _state:
+        return _state[key]
     with _lock:
-        if "module" not in _state:
+        if key not in _state:
             source = (Path(__file__).with_name("cpu_decode.cpp")).read_text()
-            base, needs = ["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}
+            names = [isa] if isa else [n for n in BUILDS if BUILDS[n][1] <= cpu_flags()]
             module = None
-            if AVX512_BF16_FLAGS <= cpu_flags():
-                module = build_cpu_extension(
-                    "cpu_decode_avx512bf16", source,
-                    base + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-                    needs | AVX512_BF16_FLAGS)
-            _state["module"] = module or build_cpu_extension("cpu_decode", source, base, needs)
-        return _state["module"]
+            for name in names:
+                cflags, needs = BUILDS[name]
+                module = build_cpu_extension(f"cpu_decode_{name}", source, cflags, needs)
+                if module is not None:
+                    break
+            _state[key] = module
+        return _state[key]
 
 
 #: One weight segment as the C++ side takes it: ``(kind, w, s)`` (``s`` empty for bf16).
