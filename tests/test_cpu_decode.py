@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from pdserve.engine.attention import AttentionInputs
+from pdserve.engine.compiled.fused_decode import MAX_FUSED_PREFILL_CONTEXT
 from pdserve.engine.entrypoints.llm import LLM
 from pdserve.engine.kernels import cpu_decode as cd
+from pdserve.engine.layers.linear import cpu_has_native_gemm
 from pdserve.engine.sampling_params import SamplingParams
 
 needs_kernel = pytest.mark.skipif(cd.cpu_decode_module() is None,
@@ -125,13 +127,15 @@ def _step_inputs(runner, query_lens: list[int], seq_lens: list[int],
     return (torch.tensor(ids), torch.tensor(pos), torch.tensor(slots))
 
 
+@pytest.mark.parametrize("step", ["decode", "prefill"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fused_decoder_matches_the_eager_model(arch, isa, tmp_path, monkeypatch):
+def test_fused_decoder_matches_the_eager_model(arch, isa, step, tmp_path, monkeypatch):
     """On a random-weight checkpoint of each family (GQA, q/k/v bias, q/k norm, RoPE
     scalings), a step of decodes and verification rows over a filled cache gives the eager
     bf16 model's hidden states, K/V and EAGLE-3 features, within bf16 rounding, in every
-    build this CPU runs (contexts of 17-40 keys: whole blocks of 8 and tails)."""
+    build this CPU runs (contexts of 17-40 keys: whole blocks of 8 and tails); so does a
+    step with a 37-token prefill beside them (42 rows: the kernel's GEMMs are torch's)."""
     from conftest import build_tiny_checkpoint
 
     monkeypatch.setenv("PDSERVE_CPU_DECODE_ISA", isa)
@@ -147,6 +151,8 @@ def test_fused_decoder_matches_the_eager_model(arch, isa, tmp_path, monkeypatch)
     runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).bfloat16())
     tables = [[3, 4, 5], [7, 1, 9], [2, 6, 8]]
     query_lens, seq_lens = [1, 1, 4], [17, 40, 33]  # two decodes, one 4-row verification
+    if step == "prefill":  # the third request's whole prompt instead of its verification
+        query_lens, seq_lens = [1, 1, 37], [17, 40, 37]
     ids, pos, slots = _step_inputs(runner, query_lens, seq_lens, tables, gen)
     before = runner.kv_cache.clone()
     hidden, aux = fused.run(ids, pos, slots, query_lens, tables, aux_layer_ids=(0, 1))
@@ -162,7 +168,7 @@ def test_fused_decoder_matches_the_eager_model(arch, isa, tmp_path, monkeypatch)
     # where the eager GEMMs are oneDNN's native bf16 ones (another summation order)
     torch.testing.assert_close(hidden.float(), ref.float(), rtol=2e-2, atol=4e-2)
     torch.testing.assert_close(aux.float(), ref_aux.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(kv_fused.float(), runner.kv_cache.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kv_fused.float(), runner.kv_cache.float(), rtol=2e-2, atol=4e-2)
     # the written slots changed, nothing else did
     changed = (kv_fused != before).flatten(4).any(-1).any(0).any(0)  # [blocks, block_size]
     written = torch.zeros_like(changed)
@@ -184,8 +190,11 @@ def test_fused_path_is_chosen_only_where_it_applies(tmp_path):
     assert LLM(str(tmp_path), dtype="bfloat16", load_progress=False, **small,
                kv_cache_dtype="fp8").engine.runner.fused_decode is None
     fused = LLM(str(tmp_path), dtype="bfloat16", load_progress=False, **small).engine.runner.fused_decode
-    assert fused.can_run(cd.MAX_FUSED_TOKENS, None)
-    assert not fused.can_run(cd.MAX_FUSED_TOKENS + 1, None)
+    assert fused.can_run(cd.MAX_FUSED_TOKENS, None, 4096)
+    # longer steps (prefill chunks) where torch multiplies bf16 natively, with short contexts
+    native = cpu_has_native_gemm(torch.bfloat16)
+    assert fused.can_run(cd.MAX_FUSED_TOKENS + 1, None, MAX_FUSED_PREFILL_CONTEXT) == native
+    assert not fused.can_run(cd.MAX_FUSED_TOKENS + 1, None, MAX_FUSED_PREFILL_CONTEXT + 1)
     assert not fused.can_run(1, lambda layer: None)  # layer-wise KV sends stay eager
 
 

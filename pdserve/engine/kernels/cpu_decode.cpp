@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -160,8 +161,13 @@ struct Linear {
     int64_t N = 0, K = 0;
     std::vector<Segment> segs;
     std::vector<float> bias;  // empty: none
+    torch::Tensor bias_bf16;  // [N] bf16, or undefined: none
     bool quantized_input = false;
 };
+
+// Steps of more than this many rows (prefill chunks) multiply bf16 weights with torch's
+// GEMM (MKL / oneDNN, native bf16 where the CPU has it) instead of the register-tiled GEMV.
+constexpr int64_t MAX_GEMV_ROWS = 32;
 
 // A tile of NR bf16 weight rows times MR activation rows: one fp32 accumulator per
 // (weight row, activation row), columns 8 at a time in order, then a horizontal sum and
@@ -448,8 +454,26 @@ void gemv_q8(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y
     });
 }
 
+// y [M, N] = bf16(x [M, K] @ W^T + bias) for bf16 weights through torch's GEMM: the eager
+// layer's own call (F.linear in bf16), so the same value as the eager model.
+void linear_torch(const Linear& L, const float* X, int64_t M, float* Y) {
+    auto x = torch::from_blob(const_cast<float*>(X), {M, L.K}, torch::kFloat32)
+                 .to(torch::kBFloat16);
+    auto y = torch::from_blob(Y, {M, L.N}, torch::kFloat32);
+    int64_t col = 0;
+    for (const Segment& g : L.segs) {
+        auto b = L.bias_bf16.defined() ? L.bias_bf16.narrow(0, col, g.rows) : torch::Tensor();
+        y.narrow(1, col, g.rows).copy_(at::linear(x, g.w, b));
+        col += g.rows;
+    }
+}
+
 // y [M, N] = bf16(x [M, K] @ W^T + bias): the eager layer's bf16 output.
 void linear(const Linear& L, const float* X, int64_t M, float* Y) {
+    if (M > MAX_GEMV_ROWS) {
+        TORCH_CHECK(!L.quantized_input, "quantized weights take at most 32 rows a step");
+        return linear_torch(L, X, M, Y);
+    }
     QuantAct a;
     if (L.quantized_input) quantize_act(X, M, L.K, a);
     int64_t col = 0;
@@ -496,6 +520,7 @@ Linear make_linear(const std::vector<std::tuple<int64_t, torch::Tensor, torch::T
         TORCH_CHECK(bias.numel() == L.N, "bias must have N elements");
         auto b = bias.to(torch::kFloat32).contiguous();
         L.bias.assign(b.data_ptr<float>(), b.data_ptr<float>() + L.N);
+        L.bias_bf16 = bias.to(torch::kBFloat16).contiguous();
     }
     return L;
 }
@@ -601,8 +626,11 @@ class FusedDecoder {
                 reinterpret_cast<uint16_t*>(kv_cache.data_ptr<at::BFloat16>())};
 
         auto emb = embeds.to(torch::kFloat32).contiguous();
-        std::vector<float> h(emb.data_ptr<float>(), emb.data_ptr<float>() + M * H_);
-        std::vector<float> res(M * H_), x(M * H_);
+        std::lock_guard<std::mutex> hold(mutex_);  // the scratch buffers are the decoder's
+        std::vector<float>& h = sized(buf_.h, M * H_);
+        std::memcpy(h.data(), emb.data_ptr<float>(), M * H_ * sizeof(float));
+        std::vector<float>& res = sized(buf_.res, M * H_);
+        std::vector<float>& x = sized(buf_.x, M * H_);
         const int64_t naux = static_cast<int64_t>(aux_ids.size());
         auto aux = torch::empty({naux ? M : 0, naux * H_}, torch::kBFloat16);
         for (int64_t l = 0; l < num_layers(); ++l) {
@@ -643,7 +671,7 @@ class FusedDecoder {
     void layer(const Layer& ly, int64_t l, const Step& st, int64_t M, const std::vector<float>& x,
                std::vector<float>& h, std::vector<float>& res) {
         const int64_t qkv_n = ly.qkv.N, q_size = Hq_ * D_;
-        std::vector<float> qkv(M * qkv_n);
+        std::vector<float>& qkv = sized(buf_.qkv, M * qkv_n);
         linear(ly.qkv, x.data(), M, qkv.data());
         if (!ly.q_norm.empty()) {  // Qwen3: RMSNorm over each query and key head
             for (int64_t t = 0; t < M; ++t) {
@@ -654,14 +682,15 @@ class FusedDecoder {
         }
         rotate(qkv.data(), M, qkv_n, st.pos);
         store_kv(qkv.data(), M, qkv_n, l, st);
-        std::vector<float> attn(M * q_size);
+        std::vector<float>& attn = sized(buf_.attn, M * q_size);
         attention(qkv.data(), M, qkv_n, l, st, attn.data());
-        std::vector<float> o(M * H_);
+        std::vector<float>& o = sized(buf_.o, M * H_);
         linear(ly.o, attn.data(), M, o.data());
         add_round(o.data(), res.data(), res.data(), M * H_);
-        std::vector<float> xn(M * H_);
+        std::vector<float>& xn = sized(buf_.xn, M * H_);
         rmsnorm(res.data(), ly.post_norm, M, H_, eps_, xn.data());
-        std::vector<float> gu(M * 2 * I_), act(M * I_);
+        std::vector<float>& gu = sized(buf_.gu, M * 2 * I_);
+        std::vector<float>& act = sized(buf_.act, M * I_);
         linear(ly.gate_up, xn.data(), M, gu.data());
         for (int64_t t = 0; t < M; ++t) {
             const float* g = gu.data() + t * 2 * I_;
@@ -905,6 +934,18 @@ class FusedDecoder {
             _mm256_storeu_ps(sc + j, _mm256_mul_ps(_mm256_loadu_ps(sc + j), inv8));
         for (; j < n; ++j) sc[j] *= inv;
     }
+
+    // Scratch for a step's activations, kept between steps: a prefill chunk's buffers are
+    // tens of MB, and fresh ones per layer cost page faults (glibc maps and unmaps them).
+    struct Buffers {
+        std::vector<float> h, res, x, qkv, attn, o, xn, gu, act;
+    };
+    static std::vector<float>& sized(std::vector<float>& v, int64_t n) {
+        v.resize(n);
+        return v;
+    }
+    Buffers buf_;
+    std::mutex mutex_;
 
     int64_t H_, Hq_, Hkv_, D_, I_;
     float eps_;

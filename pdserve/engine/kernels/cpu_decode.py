@@ -39,8 +39,11 @@ import torch
 
 from pdserve.engine.kernels.cpu_build import build_cpu_extension, cpu_flags
 
-#: Most tokens one fused call takes.
+#: Most tokens one fused call takes with the kernel's own GEMVs (any weight format).
 MAX_FUSED_TOKENS = 32
+#: Most tokens one fused call takes where every weight is bf16 (more than
+#: :data:`MAX_FUSED_TOKENS` rows multiply through torch's GEMM): a whole step's budget.
+MAX_FUSED_PREFILL_TOKENS = 1 << 16
 #: Weight segment kinds (the C++ ``Kind``).
 BF16, INT4, INT8 = 0, 1, 2
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"], frozenset({"avx2", "fma", "f16c"})
