@@ -20,7 +20,6 @@ import gguf
 import torch
 from torch import nn
 
-from pdserve.host_memory import keep_freed_heap_memory
 from pdserve.engine.kernels.cpu_decode import (
     BF16,
     MAX_FUSED_PREFILL_TOKENS, MAX_FUSED_TOKENS, Segment, bf16_segment, cpu_decode_module, group_to_blocks, int4_segment,
@@ -169,8 +168,6 @@ class FusedCpuDecode:
         except (ValueError, RuntimeError) as exc:
             logger.info("decode steps run the eager model: %s", exc)
             return None
-        if fused.max_tokens > MAX_FUSED_TOKENS:
-            keep_freed_heap_memory()  # prefill chunks' activations: no page faults per layer
         logger.info("steps of up to %d tokens run the fused CPU kernel", fused.max_tokens)
         return fused
 

@@ -282,24 +282,28 @@ inline void bf16_panel(Tile tile, int64_t n0, int64_t n1, int64_t M) {
 // Y = X W^T over a bf16 segment. The weight goes through in panels of ~24 KB (L1) and
 // every activation row meets a panel while it is cached: the weight is read from memory
 // once per call whatever M (a 32-row LM head read its 56 MB eight times before).
-void gemv_bf16(const Segment& g, int64_t K, const float* X, int64_t M, float* Y, int64_t ldy) {
+// bf16_x: X holds bf16 values (the fused layers' inputs always do), which the AVX512-BF16
+// build then multiplies as bf16 pairs; otherwise (any fp32 rows) the AVX2 tiles run.
+void gemv_bf16(const Segment& g, int64_t K, const float* X, int64_t M, float* Y, int64_t ldy,
+               bool bf16_x = true) {
     const uint16_t* W = reinterpret_cast<const uint16_t*>(g.w.data_ptr<at::BFloat16>());
     const int64_t panel = std::max<int64_t>(8, (24576 / (2 * K)) / 8 * 8);
 #if defined(__AVX512BF16__)
-    std::vector<uint16_t> xb(M * K);  // the activations are bf16 values: exact
-    for (int64_t i = 0; i < M * K; ++i) xb[i] = bf16_bits(bf16_round(X[i]));
-    const DpTile tile{W, K, xb.data(), X, Y, ldy};
-#else
+    if (bf16_x) {
+        std::vector<uint16_t> xb(M * K);  // exact: the values are bf16 ones
+        for (int64_t i = 0; i < M * K; ++i) xb[i] = bf16_bits(bf16_round(X[i]));
+        const DpTile tile{W, K, xb.data(), X, Y, ldy};
+        at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
+            for (int64_t p = begin; p < end; p += panel)
+                bf16_panel<4, 4, 8, 8>(tile, p, std::min(end, p + panel), M);
+        });
+        return;
+    }
+#endif
     const Avx2Tile tile{W, K, X, Y, ldy};
-#endif
     at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t p = begin; p < end; p += panel) {
-#if defined(__AVX512BF16__)
-            bf16_panel<4, 4, 8, 8>(tile, p, std::min(end, p + panel), M);
-#else
+        for (int64_t p = begin; p < end; p += panel)
             bf16_panel<2, 2, 4, 8>(tile, p, std::min(end, p + panel), M);
-#endif
-        }
     });
 }
 
@@ -954,7 +958,8 @@ class FusedDecoder {
     std::vector<Layer> layers_;
 };
 
-// y [M, N] fp32 = x [M, K] @ W^T for one stand-alone linear (the LM head), bf16-rounded.
+// y [M, N] fp32 = x [M, K] @ W^T for one stand-alone linear (the LM head), bf16-rounded;
+// x holds bf16 values (a bf16 hidden state).
 class FusedLinear {
   public:
     FusedLinear(FusedDecoder::Segs segs, torch::Tensor bias, int64_t K)
@@ -983,7 +988,7 @@ torch::Tensor gemv(torch::Tensor w, torch::Tensor x) {
     TORCH_CHECK(x.size(1) == K && M >= 1 && M <= 8, "x must be [1 to 8, K]");
     auto y = torch::empty({M, N}, x.options());
     Segment g{BF16, N, w, torch::Tensor()};
-    gemv_bf16(g, K, x.data_ptr<float>(), M, y.data_ptr<float>(), N);
+    gemv_bf16(g, K, x.data_ptr<float>(), M, y.data_ptr<float>(), N, /*bf16_x=*/false);
     return y;
 }
 
