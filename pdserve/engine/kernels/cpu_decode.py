@@ -6,8 +6,10 @@ them (norms, rotary, the KV store, attention over a gathered context, SiLU, resi
 dtype casts): each op costs a few microseconds of dispatch and allocation whatever its size
 (measured: ``bench/profile_step.py``, 2-core AMD EPYC, SmolLM2-135M bf16, decode batch 1).
 ``torch.compile`` of the whole forward took 74 s to compile and recompiled on every call.
-This kernel (``cpu_decode.cpp``) runs a step's decoder layers for 1-8 tokens (a decode
-batch, or speculative verification rows) in one call, with the weights read once per step.
+This kernel (``cpu_decode.cpp``) runs a step's decoder layers for up to 32 tokens (a
+decode batch, speculative verification rows, a short prefill chunk) in one call, with the
+weights read once per step; for bf16 weights on CPUs with native bf16 GEMMs it takes longer
+prefill chunks too, their GEMMs torch's own.
 
 What it computes. The eager bf16 model's arithmetic (each value the eager path rounds to
 bf16 is rounded here at the same point; see the C++ header), over:
