@@ -24,6 +24,7 @@ that resolves to every replica (``deploy/k8s``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import logging
 import os
@@ -59,6 +60,20 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.set_inheritable(False)
     return sock
+
+
+async def wait_for_decode_worker(state) -> None:
+    """Return once a decode worker accepts requests on ``state.router`` (or the server is
+    stopping).
+
+    A ``--reuse-port`` API server shares its port with others, and the kernel hands each
+    new connection to any listening member of the group. One that listened before its
+    router had a worker would answer 503 to its share of the connections while the others
+    serve, so its socket stays bound but not listening until this returns (the app's
+    startup; after a restart too, until the workers have registered again).
+    """
+    while not state.router.registry.accepting("decode") and not state.draining:
+        await asyncio.sleep(0.1)
 
 
 def server_argv(args: argparse.Namespace) -> list[str]:

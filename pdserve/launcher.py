@@ -24,6 +24,7 @@ from pdserve.cpu_affinity import (
     plan_worker_cpus,
 )
 from pdserve.child_processes import spawn_worker, stop_processes
+from pdserve.front_doors import reuse_port_socket, start_api_servers
 from pdserve.supervisor import RestartPolicy, SupervisedWorker, WorkerSupervisor
 
 logger = logging.getLogger(__name__)
@@ -292,8 +293,6 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str],
     restarted under ``restart_policy`` (default: :class:`RestartPolicy`'s) when they exit;
     with ``--api-servers N``, N - 1 more API servers on the same port
     (:mod:`pdserve.front_doors`)."""
-    from pdserve.front_doors import reuse_port_socket, start_api_servers
-
     check_port_free(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     router_address = args.router_address or f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
@@ -319,13 +318,12 @@ def run_serve(args: argparse.Namespace, engine_argv: list[str],
 def run_server(args: argparse.Namespace) -> int:
     """``pdserve server``: API server + router only; workers connect to ``--router-address``
     (``--reuse-port``: share the HTTP port with other API servers)."""
-    from pdserve.front_doors import reuse_port_socket
-
     check_port_free(args.host, args.port, args.reuse_port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     keys = cluster_keys_from_args(args)
     state = build_server_state(args, args.router_address or "tcp://0.0.0.0:5557", keys)
     sock = reuse_port_socket(args.host, args.port) if args.reuse_port else None
+    state.listen_when_ready = sock is not None  # joins the port's group when it can serve
     print(f"pdserve: router listening at {state.router.address}", flush=True)
     return asyncio.run(_serve_http(state, args.host, args.port, None,
                                    args.shutdown_grace_period, sock))

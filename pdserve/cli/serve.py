@@ -258,7 +258,8 @@ def add_server_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds a request may wait for a decode worker to reserve KV")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind --port with SO_REUSEPORT, so several API servers on this "
-                        "host share it (the kernel spreads connections over them)")
+                        "host share it (the kernel spreads connections over them); it "
+                        "starts listening once a decode worker has registered")
     p.add_argument("--worker-metrics", action="store_true",
                    help="/metrics also carries the series of every worker that serves its "
                         "own (--metrics-port), fetched on each scrape and labelled "

@@ -64,6 +64,9 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.router.start()
+        if state.listen_when_ready:  # uvicorn listens on the socket after this startup
+            from pdserve.front_doors import wait_for_decode_worker
+            await wait_for_decode_worker(state)
         yield
         await state.router.stop()
         if state.worker_scraper is not None:

@@ -31,6 +31,9 @@ class ServerState:
         worker_scraper: what fetches them, made on the first scrape that needs it.
         num_workers_expected: workers ``serve`` started: ``/health`` answers 503 until
             that many have registered (then a long prompt finds its prefill worker).
+        listen_when_ready: the socket shares its port (``--reuse-port``): start listening
+            only once a decode worker accepts on this router (see
+            :func:`pdserve.front_doors.wait_for_decode_worker`).
     """
 
     router: Router
@@ -45,6 +48,7 @@ class ServerState:
     scrape_worker_metrics: bool = False
     worker_scraper: WorkerMetricsScraper | None = None
     num_workers_expected: int = 0
+    listen_when_ready: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     system_fingerprint: str = "pdserve-0.1.0"
 
