@@ -10,6 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pdserve.engine.attention.base import AttentionInputs
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.kernels.cpu_prefill_attention import use_cpu_prefill_attention
 
 H, HKV, D, BS = 6, 2, 32, 16
 
@@ -80,3 +81,71 @@ def test_decodes_of_very_different_lengths_are_grouped_and_exact():
         v_ctx = v_cache.view(-1, HKV, D)[ctx[:n]]
         ref = _reference(q[i:i + 1], k_ctx, v_ctx, n - 1)
         torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-4, atol=1e-4)
+
+
+needs_prefill_kernel = pytest.mark.skipif(
+    not use_cpu_prefill_attention(),
+    reason="no AVX512-BF16 (or AMX: torch's kernel), or no C++ toolchain")
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("cached", [0, 200], ids=["fresh", "with-cached-context"])
+def test_bf16_prefill_takes_the_cpu_kernel_and_matches_reference(cached):
+    """In bf16 on a CPU with AVX512-BF16 the backend's prefills are the C++ kernel's (no
+    SDPA at all), within bf16 rounding of the fp32 reference."""
+    gen = torch.Generator().manual_seed(2)
+    new, total = 300, cached + 300
+    num_blocks = (total + BS - 1) // BS
+    k_all = torch.randn(total, HKV, D, generator=gen).bfloat16()
+    v_all = torch.randn(total, HKV, D, generator=gen).bfloat16()
+    k_cache = torch.zeros(num_blocks, BS, HKV, D, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache.view(-1, HKV, D)[:cached] = k_all[:cached]
+    v_cache.view(-1, HKV, D)[:cached] = v_all[:cached]
+    q = torch.randn(new, H, D, generator=gen).bfloat16()
+    backend = TorchAttentionBackend(torch.device("cpu"))
+    meta = backend.build_metadata(AttentionInputs(
+        slot_mapping=torch.arange(cached, total), query_lens=[new], seq_lens=[total],
+        block_tables=[list(range(num_blocks))], num_decodes=0, block_size=BS))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = backend.forward(q, k_all[cached:], v_all[cached:], k_cache, v_cache, meta,
+                              D**-0.5)
+    assert not any("scaled_dot_product" in e.key for e in prof.key_averages())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _reference(q, k_all, v_all, cached),
+                               rtol=0, atol=2e-2)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("n,ctx,heads,kv_heads,dim", [
+    (1, 0, 9, 3, 64), (5, 0, 9, 3, 64), (37, 0, 9, 3, 64), (100, 70, 9, 3, 64),
+    (130, 3, 6, 2, 64), (200, 0, 8, 2, 128), (33, 17, 4, 4, 32), (700, 1300, 9, 3, 64)])
+def test_cpu_prefill_kernel_shapes(n, ctx, heads, kv_heads, dim):
+    """Query tails (not a multiple of 16 tokens or of 4 rows), key tails (not a multiple of
+    64), grouped and plain heads, every head size, strided (non-contiguous) token rows."""
+    from pdserve.engine.kernels.cpu_prefill_attention import prefill_attention
+
+    gen = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(n, heads + 1, dim, generator=gen).bfloat16()[:, :heads]  # strided
+    k = torch.randn(ctx + n, kv_heads, dim, generator=gen).bfloat16()
+    v = torch.randn(ctx + n, kv_heads, dim, generator=gen).bfloat16()
+    out = prefill_attention(q, k, v, ctx, dim**-0.5)
+    group = heads // kv_heads
+    kr, vr = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kr) * dim**-0.5
+    mask = torch.arange(ctx + n)[None, :] > (ctx + torch.arange(n))[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(mask, -torch.inf).softmax(-1), vr)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-2)
+
+
+@needs_prefill_kernel
+def test_cpu_prefill_kernel_rejects_what_it_does_not_take():
+    from pdserve.engine.kernels.cpu_prefill_attention import prefill_attention
+
+    q = k = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16"):
+        prefill_attention(q.float(), k, k, 0, 1.0)
+    with pytest.raises(RuntimeError, match="shapes"):
+        prefill_attention(q, k, k, 1, 1.0)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        prefill_attention(q[..., :48], k[..., :48], k[..., :48], 0, 1.0)

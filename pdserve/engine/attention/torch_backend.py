@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionInputs, register_backend
 from pdserve.engine.kernels.chunk_attention import context_then_causal
+from pdserve.engine.kernels.cpu_prefill_attention import prefill_attention, takes_prefill
 from pdserve.engine.kernels.kv_store import store_kv_reference
 from pdserve.engine.layers.linear import cpu_has_native_gemm
 
@@ -190,10 +191,12 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pre
                        dtype: torch.dtype, scale: float) -> torch.Tensor:
     """One prefill's attention: ``q [n, H, D]`` in ``dtype``, ``k``/``v [n, Hkv, D]`` its
     fresh rows -> ``[n, H, D]``."""
-    # Operands are 4-D [1, heads, n, D]: torch's CPU flash-attention kernel (GQA,
-    # causal or a bool mask) takes only 4-D ones; 3-D falls back to the math path,
-    # which materializes [H, n, L] scores (13x slower at 1,500 tokens, measured).
+    # SDPA operands are 4-D [1, heads, n, D]: torch's CPU flash kernel takes only those (3-D
+    # goes to the math path: [H, n, L] scores, 13x slower at 1,500 tokens, measured).
     qp = q.transpose(0, 1)[None]  # [1, H, n, D]
+    kernel = takes_prefill(dtype, q.device, q.shape[2])  # bf16, AVX512-BF16: C++ kernel
+    if p.context_slots is None and kernel:
+        return prefill_attention(q, k.to(dtype), v.to(dtype), 0, scale)
     if p.context_slots is None:
         kp = k.to(dtype).transpose(0, 1)[None]
         vp = v.to(dtype).transpose(0, 1)[None]
@@ -201,8 +204,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pre
                                             enable_gqa=True)
         return op[0].transpose(0, 1)
     k_scales, v_scales = kv_scales if kv_scales is not None else (None, None)
-    kp = _gather(k_cache, k_scales, p.context_slots, dtype).transpose(0, 1)
-    vp = _gather(v_cache, v_scales, p.context_slots, dtype).transpose(0, 1)
+    kp = _gather(k_cache, k_scales, p.context_slots, dtype)  # [c + n, Hkv, D]
+    vp = _gather(v_cache, v_scales, p.context_slots, dtype)
+    if kernel and p.query_len > _ROWS_MAX_QUERY:
+        return prefill_attention(q, kp, vp, kp.shape[0] - p.query_len, scale)
+    kp, vp = kp.transpose(0, 1), vp.transpose(0, 1)  # [Hkv, c + n, D]
     if p.query_len <= _ROWS_MAX_QUERY:
         return _rows_per_kv_head(q, kp, vp, p.mask, scale)
     if q.device.type == "cpu":  # context unmasked + own keys causal, merged (no mask)
@@ -222,8 +228,7 @@ class TorchAttentionBackend:
         self.device = device
         #: 16-bit attention runs in fp32 on CPUs without native 16-bit dot products: torch's
         #: CPU flash kernel was 1.3-2x faster in fp32 there (2-core AVX2 EPYC: 1,500-token
-        #: prefill 35 vs 47 ms a layer; 32 decodes over 192 tokens 0.8 vs 1.7 ms), and bf16
-        #: with a bool mask took 5 ms for one decode row group.
+        #: prefill 35 vs 47 ms a layer; 32 decodes over 192 tokens 0.8 vs 1.7 ms).
         self.upcast_16bit = device.type == "cpu" and not cpu_has_native_gemm(torch.bfloat16)
 
     def _compute_dtype(self, dtype: torch.dtype) -> torch.dtype:

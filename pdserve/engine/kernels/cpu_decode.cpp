@@ -1004,4 +1004,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::class_<FusedLinear>(m, "FusedLinear", pybind11::module_local())
         .def(pybind11::init<FusedDecoder::Segs, torch::Tensor, int64_t>())
         .def("forward", &FusedLinear::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+#if defined(__AVX512BF16__)
+    m.def("prefill_attention", &prefill_attention,  // cpu_prefill_attention.cpp
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+#endif
 }

@@ -83,7 +83,30 @@ def cpu_decode_module(isa: str | None = None):
         return _state[key]
     with _lock:
         if key not in _state:
-            source = (Path(__file__).with_name("cpu_decode.cpp")).read_text()
+            names = [isa] if isa else [n for n in BUILDS if BUILDS[n][1] <= cpu_flags()]
+            module = None
+            for name in names:
+                module = _build(name)
+                if module is not None:
+                    break
+            _state[key] = module
+        return _state[key]
+
+
+def _build(name: str):
+    """Build ``name`` of :data:`BUILDS` once per process (None where unavailable); the
+    caller holds ``_lock``."""
+    if f"build:{name}" not in _state:
+        source = "".join(Path(__file__).with_name(f).read_text() for f in (
+            "cpu_prefill_attention.cpp", "cpu_decode.cpp"))  # one translation unit
+        cflags, needs = BUILDS[name]
+        _state[f"build:{name}"] = build_cpu_extension(f"cpu_decode_{name}", source, cflags,
+                                                      needs)
+    return _state[f"build:{name}"]
+    with _lock:
+        if key not in _state:
+            source = "".join(Path(__file__).with_name(f).read_text() for f in (
+                "cpu_prefill_attention.cpp", "cpu_decode.cpp"))  # one translation unit
             names = [isa] if isa else [n for n in BUILDS if BUILDS[n][1] <= cpu_flags()]
             module = None
             for name in names:
