@@ -15,6 +15,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from pdserve.core_turns import share_all_cores
+
 logger = logging.getLogger(__name__)
 
 
@@ -76,7 +78,7 @@ class WorkerCpus:
 
 def plan_worker_cpus(cpus: tuple[int, ...], num_prefill: int, num_decode: int,
                      prefill_cpus: tuple[int, ...] | None = None,
-                     decode_cpus: tuple[int, ...] | None = None,
+                     decode_cpus: tuple[int, ...] | None = None, core_turns: bool = False,
                      ) -> tuple[list[WorkerCpus], list[WorkerCpus]]:
     """Default cores per worker: ``(prefill plans, decode plans)``.
 
@@ -85,6 +87,8 @@ def plan_worker_cpus(cpus: tuple[int, ...], num_prefill: int, num_decode: int,
     gets every core). Prefill workers share the same cores with one thread fewer than the
     decode worker they overlap (at least one): while a long prompt prefills, the decode
     worker keeps stepping instead of stalling at barriers behind a full second pool.
+    With ``core_turns``, where every worker runs on the same cores (they take turns at
+    their steps, :mod:`pdserve.core_turns`), prefill workers get a thread per core too.
     Explicit ``prefill_cpus`` / ``decode_cpus`` replace the default for that role (all
     workers of the role share them, threads = their count).
     """
@@ -105,6 +109,8 @@ def plan_worker_cpus(cpus: tuple[int, ...], num_prefill: int, num_decode: int,
     else:
         prefill = [WorkerCpus(c, max(1, len(c) - 1) if num_decode else len(c))
                    for c in split(cpus, num_prefill)]
+        if core_turns and share_all_cores(prefill + decode):
+            prefill = [WorkerCpus(p.cpus, len(p.cpus)) for p in prefill]
     return prefill, decode
 
 

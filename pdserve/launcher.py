@@ -17,13 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.cpu_affinity import (
-    apply_worker_cpus,
-    available_cpus,
-    format_cpu_list,
-    plan_worker_cpus,
-)
+from pdserve.cpu_affinity import (apply_worker_cpus, available_cpus, format_cpu_list,
+                                  plan_worker_cpus)
 from pdserve.child_processes import spawn_worker, stop_processes
+from pdserve.core_turns import CoreTurns, core_turns_argv, prefill_step_tokens
 from pdserve.front_doors import reuse_port_socket, start_api_servers
 from pdserve.supervisor import RestartPolicy, SupervisedWorker, WorkerSupervisor
 
@@ -270,7 +267,9 @@ def _start_workers(args: argparse.Namespace, engine_argv: list[str], router_addr
     if args.worker_metrics:  # each serves its /metrics on a free loopback port
         kv_argv += ["--metrics-host", "127.0.0.1", "--metrics-port", "0"]
     prefill_plans, decode_plans = plan_worker_cpus(
-        available_cpus(), num_prefill, num_decode, args.prefill_cpus, args.decode_cpus)
+        available_cpus(), num_prefill, num_decode, args.prefill_cpus, args.decode_cpus,
+        core_turns=args.core_turns)
+    kv_argv += core_turns_argv(prefill_plans + decode_plans, args.core_turns)
     slots = []
     for role, plans, role_argv in (
             ("decode", decode_plans, []),
@@ -344,17 +343,18 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     logger.info("%s worker on cores %s with %d torch threads", role,
                 format_cpu_list(applied.cpus), applied.num_threads)
     config = engine_config_from_args(args, args.model)
-    if role == "prefill":  # it samples one token per request: nothing to speculate on,
-        # and its steps stream KV layer by layer (the eager model): no decode CUDA graphs or
-        # fused CPU decode kernel, whose weight copies would only take memory
+    if role == "prefill":  # one token per request: nothing to speculate on; KV streams layer
+        # by layer (eager model): no CUDA graphs or fused CPU kernel (their weight copies)
         config = dataclasses.replace(config, speculative_method="none", speculative_model=None,
                                      speculative_draft_confidence=0.0,
-                                     speculative_disable_by_batch_size=0, enforce_eager=True)
+                                     speculative_disable_by_batch_size=0, enforce_eager=True,
+                                     max_num_batched_tokens=prefill_step_tokens(
+                                         config.max_num_batched_tokens, args.core_turns))
     engine = LLMEngine(config)
     name = args.served_model_name or served_model_name(args.model, engine.model_path)
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     worker = make_worker(engine, worker_id, name, keys)
-    worker.drain_s = args.shutdown_grace_period
+    worker.drain_s, worker.core_turns = args.shutdown_grace_period, CoreTurns.of(args.core_turns)
     metrics_server = None
     if args.metrics_port is not None:
         try:

@@ -8,9 +8,11 @@ import os
 import signal
 import threading
 import time
+from contextlib import nullcontext
 
 import zmq
 
+from pdserve.core_turns import CoreTurns
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.memory import IdleTrimmer
 from pdserve.messages import (
@@ -87,6 +89,8 @@ class EngineWorker:
         self.num_requests_served = 0
         #: where this worker's /metrics is served, sent with its registration (None: not)
         self.metrics_address: str | None = None
+        #: steps taken in turns with workers on the same cores (``--core-turns``)
+        self.core_turns: CoreTurns | None = None
         # run()'s clocks (time.monotonic()): its start and the end of a drain
         self._run_started_s = 0.0
         self._drain_until_s = 0.0
@@ -252,7 +256,8 @@ class EngineWorker:
 
     def _step(self) -> None:
         try:
-            deltas = self.engine.step()
+            with self.core_turns.turn() if self.core_turns is not None else nullcontext():
+                deltas = self.engine.step()
         except Exception:  # an engine bug fails the batch, not the worker
             logger.exception("engine step failed; failing its requests")
             for rid in list(self.engine.requests):  # told to its router, then aborted as

@@ -235,6 +235,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="cores every prefill worker runs on, one torch thread each (default: "
                         "the available cores split among the prefill workers, with one "
                         "thread fewer than cores when decode workers share them)")
+    p.add_argument("--no-core-turns", dest="core_turns", action="store_false",
+                   help="workers on the same cores step side by side (by default, when "
+                        "every worker runs on the same cores, they take turns at model "
+                        "steps, each on every core)")
     p.add_argument("--no-worker-metrics", dest="worker_metrics", action="store_false",
                    help="leave the workers' own series out of /metrics (by default each "
                         "worker serves them on a free loopback port and /metrics adds them, "
@@ -298,6 +302,9 @@ def add_worker_parsers(sub: argparse._SubParsersAction) -> None:
                             "may use)")
         p.add_argument("--threads", type=int, default=None,
                        help="torch threads (default: one per core of --cpus)")
+        p.add_argument("--core-turns", default=None, metavar="DIR",
+                       help="take turns at model steps with the workers given the same "
+                            "directory (workers on the same cores; serve sets it)")
         _add_kv_args(p, role)
         _add_auth_args(p)
         add_engine_args(p)
