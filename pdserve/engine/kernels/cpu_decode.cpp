@@ -81,6 +81,15 @@ inline __m256 bf16_round8(__m256 v) {
                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
+// fn(begin, end) over rows 0 .. M: split across torch's threads for prefill chunks (more
+// than 32 rows), on this thread for decode steps (no parallel region to wake). Every row is
+// computed the same way either way.
+template <typename Fn>
+inline void parallel_rows(int64_t M, const Fn& fn) {
+    if (M > 32) at::parallel_for(0, M, 16, fn);
+    else fn(0, M);
+}
+
 // y[i] = bf16(a[i] + b[i]) (b may be null: y = bf16(a)); y may alias a or b.
 inline void add_round(const float* a, const float* b, float* y, int64_t n) {
     int64_t i = 0;
@@ -90,6 +99,13 @@ inline void add_round(const float* a, const float* b, float* y, int64_t n) {
         _mm256_storeu_ps(y + i, bf16_round8(v));
     }
     for (; i < n; ++i) y[i] = bf16_round(b ? a[i] + b[i] : a[i]);
+}
+
+// add_round over M rows of width H (a, b and y all [M, H]; b not null).
+inline void add_round_rows(const float* a, const float* b, float* y, int64_t M, int64_t H) {
+    parallel_rows(M, [&](int64_t r0, int64_t r1) {
+        add_round(a + r0 * H, b + r0 * H, y + r0 * H, (r1 - r0) * H);
+    });
 }
 
 // e^x for 8 lanes, about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
@@ -538,7 +554,8 @@ std::vector<float> to_floats(const torch::Tensor& t) {
 // out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) over rows of width H: eager RMSNorm.
 void rmsnorm(const float* x, const std::vector<float>& w, int64_t rows, int64_t H, float eps,
              float* out) {
-    for (int64_t r = 0; r < rows; ++r) {
+    parallel_rows(rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
         const float* xr = x + r * H;
         __m256 ss8 = _mm256_setzero_ps();
         int64_t i = 0;
@@ -557,6 +574,7 @@ void rmsnorm(const float* x, const std::vector<float>& w, int64_t rows, int64_t 
         }
         for (; i < H; ++i) out[r * H + i] = bf16_round(w[i] * bf16_round(xr[i] * inv));
     }
+    });
 }
 
 struct Layer {
@@ -650,12 +668,12 @@ class FusedDecoder {
             if (l == 0) {
                 res = h;
             } else {
-                add_round(h.data(), res.data(), res.data(), M * H_);
+                add_round_rows(h.data(), res.data(), res.data(), M, H_);
             }
             rmsnorm(res.data(), layers_[l].input_norm, M, H_, eps_, x.data());
             layer(layers_[l], l, st, M, x, h, res);
         }
-        add_round(h.data(), res.data(), res.data(), M * H_);
+        add_round_rows(h.data(), res.data(), res.data(), M, H_);
         rmsnorm(res.data(), final_norm_, M, H_, eps_, x.data());
         auto out = torch::empty({M, H_}, torch::kBFloat16);
         auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -690,13 +708,14 @@ class FusedDecoder {
         attention(qkv.data(), M, qkv_n, l, st, attn.data());
         std::vector<float>& o = sized(buf_.o, M * H_);
         linear(ly.o, attn.data(), M, o.data());
-        add_round(o.data(), res.data(), res.data(), M * H_);
+        add_round_rows(o.data(), res.data(), res.data(), M, H_);
         std::vector<float>& xn = sized(buf_.xn, M * H_);
         rmsnorm(res.data(), ly.post_norm, M, H_, eps_, xn.data());
         std::vector<float>& gu = sized(buf_.gu, M * 2 * I_);
         std::vector<float>& act = sized(buf_.act, M * I_);
         linear(ly.gate_up, xn.data(), M, gu.data());
-        for (int64_t t = 0; t < M; ++t) {
+        parallel_rows(M, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
             const float* g = gu.data() + t * 2 * I_;
             float* a = act.data() + t * I_;
             int64_t i = 0;
@@ -712,6 +731,7 @@ class FusedDecoder {
                 a[i] = bf16_round(s * g[I_ + i]);
             }
         }
+        });
         linear(ly.down, act.data(), M, h.data());
     }
 
@@ -720,8 +740,9 @@ class FusedDecoder {
         const float* C = cos_.data_ptr<float>();
         const float* S = sin_.data_ptr<float>();
         const int64_t half = D_ / 2;
+        parallel_rows(M, [&](int64_t t0, int64_t t1) {
         std::vector<float> tmp(D_);
-        for (int64_t t = 0; t < M; ++t) {
+        for (int64_t t = t0; t < t1; ++t) {
             const float* c = C + pos[t] * D_;
             const float* s = S + pos[t] * D_;
             for (int64_t hd = 0; hd < Hq_ + Hkv_; ++hd) {
@@ -737,6 +758,7 @@ class FusedDecoder {
                 std::memcpy(v, tmp.data(), D_ * sizeof(float));
             }
         }
+        });
     }
 
     uint16_t* cache(const Step& st, int64_t l, int64_t kv) const {
