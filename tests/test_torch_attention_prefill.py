@@ -26,19 +26,19 @@ def _reference(q, k, v, q_start: int) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float())
 
 
-@pytest.mark.parametrize("cached", [0, 200], ids=["fresh", "with-cached-context"])
-def test_prefill_uses_flash_kernel_and_matches_reference(cached):
-    gen = torch.Generator().manual_seed(0)
-    new = 300
-    total = cached + new
+def _prefill(cached: int, seed: int, dtype: torch.dtype):
+    """300 new tokens after ``cached`` positions through the backend, profiled: (output,
+    profile, q, all keys, all values)."""
+    gen = torch.Generator().manual_seed(seed)
+    new, total = 300, cached + 300
     num_blocks = (total + BS - 1) // BS
-    k_cache = torch.zeros(num_blocks, BS, HKV, D)
-    v_cache = torch.zeros(num_blocks, BS, HKV, D)
-    k_all = torch.randn(total, HKV, D, generator=gen)
-    v_all = torch.randn(total, HKV, D, generator=gen)
+    k_all = torch.randn(total, HKV, D, generator=gen).to(dtype)
+    v_all = torch.randn(total, HKV, D, generator=gen).to(dtype)
+    k_cache = torch.zeros(num_blocks, BS, HKV, D, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
     k_cache.view(-1, HKV, D)[:cached] = k_all[:cached]
     v_cache.view(-1, HKV, D)[:cached] = v_all[:cached]
-    q = torch.randn(new, H, D, generator=gen)
+    q = torch.randn(new, H, D, generator=gen).to(dtype)
     backend = TorchAttentionBackend(torch.device("cpu"))
     meta = backend.build_metadata(AttentionInputs(
         slot_mapping=torch.arange(cached, total), query_lens=[new], seq_lens=[total],
@@ -46,6 +46,12 @@ def test_prefill_uses_flash_kernel_and_matches_reference(cached):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         out = backend.forward(q, k_all[cached:], v_all[cached:], k_cache, v_cache, meta,
                               D**-0.5)
+    return out, prof, q, k_all, v_all
+
+
+@pytest.mark.parametrize("cached", [0, 200], ids=["fresh", "with-cached-context"])
+def test_prefill_uses_flash_kernel_and_matches_reference(cached):
+    out, prof, q, k_all, v_all = _prefill(cached, 0, torch.float32)
     ops = {e.key for e in prof.key_averages()}
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     assert "aten::_scaled_dot_product_attention_math" not in ops
@@ -93,23 +99,7 @@ needs_prefill_kernel = pytest.mark.skipif(
 def test_bf16_prefill_takes_the_cpu_kernel_and_matches_reference(cached):
     """In bf16 on a CPU with AVX512-BF16 the backend's prefills are the C++ kernel's (no
     SDPA at all), within bf16 rounding of the fp32 reference."""
-    gen = torch.Generator().manual_seed(2)
-    new, total = 300, cached + 300
-    num_blocks = (total + BS - 1) // BS
-    k_all = torch.randn(total, HKV, D, generator=gen).bfloat16()
-    v_all = torch.randn(total, HKV, D, generator=gen).bfloat16()
-    k_cache = torch.zeros(num_blocks, BS, HKV, D, dtype=torch.bfloat16)
-    v_cache = torch.zeros_like(k_cache)
-    k_cache.view(-1, HKV, D)[:cached] = k_all[:cached]
-    v_cache.view(-1, HKV, D)[:cached] = v_all[:cached]
-    q = torch.randn(new, H, D, generator=gen).bfloat16()
-    backend = TorchAttentionBackend(torch.device("cpu"))
-    meta = backend.build_metadata(AttentionInputs(
-        slot_mapping=torch.arange(cached, total), query_lens=[new], seq_lens=[total],
-        block_tables=[list(range(num_blocks))], num_decodes=0, block_size=BS))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = backend.forward(q, k_all[cached:], v_all[cached:], k_cache, v_cache, meta,
-                              D**-0.5)
+    out, prof, q, k_all, v_all = _prefill(cached, 2, torch.bfloat16)
     assert not any("scaled_dot_product" in e.key for e in prof.key_averages())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), _reference(q, k_all, v_all, cached),
