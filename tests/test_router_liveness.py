@@ -276,8 +276,16 @@ def test_max_migrations_defaults_to_ten_and_refuses_negatives():
 
 # -- the issue's must-show: ten kills during eight streams ---------------------------------
 def decode_worker_pids(srv) -> list[int]:
-    return [pid for pid in child_pids(srv.proc.pid)
-            if b"decode-worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    """Live decode-worker children of ``srv`` (a child reaped between the listing and the
+    read of its cmdline, e.g. the worker just killed, is not one)."""
+    pids = []
+    for pid in child_pids(srv.proc.pid):
+        try:
+            if b"decode-worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+        except OSError:
+            continue
+    return pids
 
 
 class Stream(threading.Thread):
