@@ -69,6 +69,19 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def worker_pids(server_pid: int, role: str) -> list[int]:
+    """Live ``<role>-worker`` children of ``server_pid`` (one reaped between the listing and
+    the read of its cmdline, e.g. a worker just killed, is not one)."""
+    pids = []
+    for pid in child_pids(server_pid):
+        try:
+            if f"{role}-worker".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+        except OSError:
+            continue
+    return pids
+
+
 def pid_alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -9,13 +9,11 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from server_utils import (
     ServerProcess,
-    child_pids,
     free_port,
     metrics,
     num_workers_up,
@@ -24,6 +22,7 @@ from server_utils import (
     stop_process,
     wait_idle,
     wait_workers,
+    worker_pids,
 )
 from test_disaggregated_e2e import MODEL, complete, long_prompt
 
@@ -41,14 +40,7 @@ def colocated():
 
 
 def _prefill_pids(server_pid: int) -> list[int]:
-    out = []
-    for pid in child_pids(server_pid):
-        try:
-            if b"prefill-worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            pass
-    return out
+    return worker_pids(server_pid, "prefill")
 
 
 @pytest.mark.slow
@@ -130,8 +122,7 @@ def test_mixed_load_two_prefill_one_decode_no_leaks():
 
 
 def _decode_pids(server_pid: int) -> list[int]:
-    return [pid for pid in child_pids(server_pid)
-            if b"decode-worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return worker_pids(server_pid, "decode")
 
 
 @pytest.mark.slow

@@ -15,18 +15,17 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import zmq
 from server_utils import (
     ServerProcess,
-    child_pids,
     metrics,
     num_workers_up,
     start_cli,
     stop_process,
+    worker_pids,
 )
 from test_router_parts import Harness, delta, drain, prompt, register_decode
 
@@ -276,16 +275,7 @@ def test_max_migrations_defaults_to_ten_and_refuses_negatives():
 
 # -- the issue's must-show: ten kills during eight streams ---------------------------------
 def decode_worker_pids(srv) -> list[int]:
-    """Live decode-worker children of ``srv`` (a child reaped between the listing and the
-    read of its cmdline, e.g. the worker just killed, is not one)."""
-    pids = []
-    for pid in child_pids(srv.proc.pid):
-        try:
-            if b"decode-worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                pids.append(pid)
-        except OSError:
-            continue
-    return pids
+    return worker_pids(srv.proc.pid, "decode")
 
 
 class Stream(threading.Thread):
