@@ -98,18 +98,34 @@ def tiny_llama_checkpoint(tmp_path_factory):
     return out, build_tiny_checkpoint("llama", out)
 
 
-#: Test files that take minutes, slowest first; they are collected first. NOTE: measured
-#: with ``pytest -n 2 --dist loadfile``, xdist's file scheduling did not follow this order
-#: (the disaggregated files still ran last); it orders serial runs only.
+#: Test files that take minutes, slowest first (seconds of one ``pytest -n 2 --dist loadfile``
+#: run on 2 cores in brackets); they are collected, and so scheduled, first. The longest
+#: files started last used to run on one core while the other had nothing left to do.
 SLOW_FILES_FIRST = (
-    "test_disaggregated_faults.py", "test_quantization_smollm2.py",
-    "test_disaggregated_e2e.py", "test_structured_output_engine.py",
-    "test_eagle_smollm2_head.py", "test_fp8_kv_cache.py", "test_structured_output_e2e.py",
-    "test_server_errors.py", "test_smollm2.py", "test_loader.py", "test_spec_decode_smollm2.py",
-    "test_local_cluster.py", "test_deploy_live.py", "test_server_e2e.py",
+    "test_disaggregated_greedy.py",  # 287
+    "test_quantization_smollm2.py",  # 343 before its AWQ builds shrank
+    "test_disaggregated_faults.py",  # 193
+    "test_eagle_remote_prefill.py",  # 185
+    "test_structured_output_e2e.py", "test_structured_output_engine.py",  # 155, 145
+    "test_router_liveness.py", "test_chaos.py", "test_eagle_smollm2_head.py",  # 132, 112, 106
+    "test_cpu_decode.py", "test_drain.py", "test_overload.py", "test_front_doors.py",
+    "test_disaggregated_e2e.py", "test_server_errors.py", "test_supervision.py",
+    "test_kv_fidelity.py", "test_spec_decode_smollm2.py", "test_predicted_routing.py",
+    "test_local_cluster.py", "test_spec_decode_engine.py", "test_fp8_kv_cache.py",
+    "test_cluster_security.py", "test_smollm2.py", "test_loader.py", "test_deploy_live.py",
+    "test_serve_worker_metrics.py", "test_server_e2e.py",
 )
 
 
+def pytest_configure(config):
+    """pytest-xdist's ``--dist loadfile`` hands out files by number of tests, most first
+    (``--loadscope-reorder``, its default), which put the few-test files that take minutes
+    last: turned off, it hands them out in the order collected (slow files first)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(session, config, items):
+    """Collect :data:`SLOW_FILES_FIRST` first, in that order (stable within a file)."""
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
