@@ -95,10 +95,17 @@ def test_regex_and_choice_outputs_match_exactly(llm):
         assert out.outputs[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle"])
-def test_speculation_under_a_grammar_is_lossless_and_valid(llm, method):
+@pytest.fixture(scope="module")
+def plain_people(llm) -> tuple[list[list[int]], list]:
+    """Four person prompts and their greedy constrained answers without speculation (one
+    reference for every speculation method)."""
     prompts = person_prompts(llm)[:4]
-    plain = llm.generate(prompts, constrained(temperature=0), detokenize=False)
+    return prompts, llm.generate(prompts, constrained(temperature=0), detokenize=False)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_speculation_under_a_grammar_is_lossless_and_valid(plain_people, method):
+    prompts, plain = plain_people
     spec = LLM(None, dtype="float32", load_progress=False, speculative_method=method,
                num_speculative_tokens=3, speculative_disable_by_batch_size=0,
                speculative_model="default" if method == "eagle" else None)
