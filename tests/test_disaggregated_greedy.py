@@ -97,14 +97,21 @@ def disaggregated(*flags: str) -> ServerProcess:
     return srv
 
 
-def test_disaggregated_greedy_equals_colocated_on_20_passages(passages, reference):
+@pytest.fixture(scope="module")
+def caching_server():
+    """The disaggregated server with prefix caching on (the default), started once for the
+    20 passages and the repeats with caching on: each test reads only the counters' moves."""
     srv = disaggregated()
-    try:
-        before, routes_before = worker_counts(srv), routes(srv)
-        got = [greedy(srv, p)[0] for p in passages[:NUM_PASSAGES]]
-        after, routes_after = worker_counts(srv), routes(srv)
-    finally:
-        srv.stop()
+    yield srv
+    srv.stop()
+
+
+def test_disaggregated_greedy_equals_colocated_on_20_passages(passages, reference,
+                                                              caching_server):
+    srv = caching_server
+    before, routes_before = worker_counts(srv), routes(srv)
+    got = [greedy(srv, p)[0] for p in passages[:NUM_PASSAGES]]
+    after, routes_after = worker_counts(srv), routes(srv)
     diffs = [i for i in range(NUM_PASSAGES) if got[i] != reference[i]]
     assert diffs == [], [(i, got[i], reference[i]) for i in diffs]
     assert routes_after["remote_prefill"] - routes_before["remote_prefill"] == NUM_PASSAGES
@@ -113,9 +120,11 @@ def test_disaggregated_greedy_equals_colocated_on_20_passages(passages, referenc
 
 
 @pytest.mark.parametrize("caching", ["on", "off"])
-def test_a_repeated_prompt_gets_the_same_answer_every_time(passages, reference, caching):
+def test_a_repeated_prompt_gets_the_same_answer_every_time(passages, reference, caching,
+                                                           request):
     prompt, expected = passages[NUM_PASSAGES], reference[NUM_PASSAGES]
-    srv = disaggregated(*(["--no-enable-prefix-caching"] if caching == "off" else []))
+    srv = (request.getfixturevalue("caching_server") if caching == "on"
+           else disaggregated("--no-enable-prefix-caching"))
     try:
         before, routes_before = worker_counts(srv), routes(srv)
         with ThreadPoolExecutor(NUM_CONCURRENT) as pool:
@@ -123,7 +132,8 @@ def test_a_repeated_prompt_gets_the_same_answer_every_time(passages, reference, 
         answers += [greedy(srv, prompt) for _ in range(NUM_REPEATS)]
         after, routes_after = worker_counts(srv), routes(srv)
     finally:
-        srv.stop()
+        if caching == "off":
+            srv.stop()
     assert [i for i, (tokens, _) in enumerate(answers) if tokens != expected] == []
     num_local = routes_after["local"] - routes_before["local"]
     num_remote = routes_after["remote_prefill"] - routes_before["remote_prefill"]
