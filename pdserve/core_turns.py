@@ -12,6 +12,13 @@ The turn is an exclusive ``flock`` on ``DIR/cores``, taken through ``DIR/gate``:
 that waits for the cores holds the gate, so the one that just released them cannot take
 them again before it (two parties alternate; more queue behind the gate). Locks die with
 their process, so a killed worker never leaves the cores locked.
+
+A prefill worker also hands the cores over *inside* a long step: between two decoder layers,
+once it has held them for :data:`PAUSE_SLICE_S` and another party waits at the gate, it lets
+that party run one step and then goes on (:meth:`CoreTurns.pause_point`). So a short prompt
+that reaches the decode worker during a long prompt's chunk waits for a slice, not for the
+chunk; and a worker that waited takes in every message that arrived meanwhile before its
+step starts (``EngineWorker._step``), so such a prompt joins the very next step.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,6 +38,10 @@ from pathlib import Path
 #: of prompts 1,500-3,000 tokens): 2,048 gave long-prompt TTFT p50/p99 2.69/4.48 s and
 #: short p99 4.07 s; 1,024: 2.68/4.35 s and 3.35 s; 512: 3.47/5.37 s and 2.13 s.
 PREFILL_TURN_TOKENS = 1024
+
+#: Longest a prefill worker keeps the cores, inside a step, while another party waits for
+#: them (seconds of its own turn; checked between decoder layers).
+PAUSE_SLICE_S = 0.25
 
 
 def prefill_step_tokens(max_num_batched_tokens: int, core_turns: str | None) -> int:
@@ -55,6 +67,8 @@ class CoreTurns:
         self.directory = path
         self._gate = os.open(path / "gate", os.O_RDWR | os.O_CREAT, 0o600)
         self._cores = os.open(path / "cores", os.O_RDWR | os.O_CREAT, 0o600)
+        self._taken_s = 0.0  # time.monotonic() when this process last got the cores
+        self.num_pauses = 0  # turns handed over inside a step (pause_point)
 
     @classmethod
     def of(cls, directory: str | None) -> CoreTurns | None:
@@ -64,15 +78,58 @@ class CoreTurns:
     @contextmanager
     def turn(self):
         """Hold the cores for the ``with`` body (blocks while another party holds them)."""
+        self._take()
+        try:
+            yield
+        finally:
+            fcntl.flock(self._cores, fcntl.LOCK_UN)
+
+    def _take(self) -> None:
+        """Wait for the cores through the gate (see the module docstring)."""
         fcntl.flock(self._gate, fcntl.LOCK_EX)
         try:
             fcntl.flock(self._cores, fcntl.LOCK_EX)
         finally:
             fcntl.flock(self._gate, fcntl.LOCK_UN)
+        self._taken_s = time.monotonic()
+
+    def is_waited_for(self) -> bool:
+        """Whether another party waits for the cores (it holds the gate while it waits)."""
         try:
-            yield
-        finally:
-            fcntl.flock(self._cores, fcntl.LOCK_UN)
+            fcntl.flock(self._gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._gate, fcntl.LOCK_UN)
+        return False
+
+    def pause_point(self, slice_s: float = PAUSE_SLICE_S) -> bool:
+        """Called inside a turn, where the work can stop for a while (between decoder
+        layers): when this turn has lasted ``slice_s`` seconds and another party waits,
+        give it the cores for one of its steps and wait for them back.
+
+        Returns:
+            Whether the cores were handed over.
+        """
+        if time.monotonic() - self._taken_s < slice_s or not self.is_waited_for():
+            return False
+        fcntl.flock(self._cores, fcntl.LOCK_UN)
+        self._take()
+        self.num_pauses += 1
+        return True
+
+    def pause_between_layers(self, model, slice_s: float = PAUSE_SLICE_S) -> int:
+        """Make every decoder layer of ``model`` (a ``torch.nn.Module`` holding them in a
+        ``ModuleList`` named ``layers``) end with :meth:`pause_point`, through a forward
+        hook, so a long eager forward hands the cores over every ``slice_s`` while another
+        party waits. Returns the number of layers hooked."""
+        layers = [m for name, m in model.named_modules()
+                  if name.rsplit(".", 1)[-1] == "layers" and hasattr(m, "__iter__")]
+        def hook(*_) -> None:  # a hook's non-None result would replace the layer's output
+            self.pause_point(slice_s)
+
+        for layer in (layers[0] if layers else []):
+            layer.register_forward_hook(hook)
+        return len(layers[0]) if layers else 0
 
     def close(self) -> None:
         """Close the lock files (releasing any lock held)."""

@@ -258,6 +258,9 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             with self.core_turns.turn() if self.core_turns is not None else nullcontext():
+                if self.core_turns is not None:  # what came while we waited joins this step
+                    self._receive_messages()
+                    self.poll_extra()
                 deltas = self.engine.step()
         except Exception:  # an engine bug fails the batch, not the worker
             logger.exception("engine step failed; failing its requests")

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from pdserve.core_turns import (
     PREFILL_TURN_TOKENS,
     CoreTurns,
@@ -54,6 +56,57 @@ def test_two_processes_never_overlap_and_alternate(tmp_path):
     # process descheduled for 20 ms on a loaded machine)
     gaps = names[first:last + 1].split("p")[1:-1]
     assert len(gaps) == 4 and all(1 <= len(g) <= 3 for g in gaps), names
+
+
+_LAYERED = """
+import json, sys, time, torch
+from pdserve.core_turns import CoreTurns
+class Layer(torch.nn.Module):
+    def forward(self, x):
+        start = time.monotonic()
+        time.sleep(0.05)
+        print(json.dumps(["prefill", start, time.monotonic()]), flush=True)
+        return (x, x)  # the model's layers return a tuple too: the hook must keep it
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(40))
+    def forward(self, x):
+        for layer in self.layers:
+            x, _ = layer(x)
+        return x
+turns, model = CoreTurns(sys.argv[1]), Model()
+assert turns.pause_between_layers(model, float(sys.argv[2])) == 40
+with turns.turn():
+    print(json.dumps(["holding", 0, 0]), flush=True)
+    time.sleep(0.5)  # the decode side starts and waits
+    model(torch.zeros(1))
+print(json.dumps(["pauses", turns.num_pauses, 0]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("slice_s", [0.2, 1000.0])
+def test_a_long_step_hands_the_cores_over_between_layers(tmp_path, slice_s):
+    """A 'prefill' step of 40 layers x 50 ms with a decode side waiting: with a 0.2 s slice
+    the decode side steps every ~0.25 s inside it (never overlapping a layer); with a slice
+    longer than the step (no pauses) it waits for the whole step."""
+    prefill = subprocess.Popen([sys.executable, "-c", _LAYERED, str(tmp_path), str(slice_s)],
+                               stdout=subprocess.PIPE, text=True)
+    assert json.loads(prefill.stdout.readline())[0] == "holding"
+    decode = _stepper(tmp_path, "decode", 0.02, 30)
+    lines = [json.loads(line) for p in (prefill, decode)
+             for line in p.communicate(timeout=60)[0].splitlines()]
+    assert [prefill.returncode, decode.returncode] == [0, 0]
+    num_pauses = [n for name, n, _ in lines if name == "pauses"]
+    steps = sorted((s for s in lines if s[0] != "pauses"), key=lambda s: s[1])
+    assert all(a[2] <= b[1] for a, b in zip(steps, steps[1:]))  # one holder at a time
+    layers = [s for s in steps if s[0] == "prefill"]
+    inside = [s[1] for s in steps if s[0] == "decode" and layers[0][1] < s[1] < layers[-1][2]]
+    if slice_s > 100:
+        assert inside == [] and num_pauses == [0]
+        return
+    assert num_pauses[0] >= 5 and len(inside) >= 5
+    assert max(b - a for a, b in zip(inside, inside[1:])) < 0.8, inside
 
 
 def test_a_killed_holder_frees_the_cores(tmp_path):
