@@ -116,7 +116,8 @@ class WorkerInfo:
 
 
 class WorkerRegistry:
-    """Workers by id; a worker is alive while its last message is recent enough.
+    """Workers by id; a worker stays until the liveness loop finds it silent for too long
+    (net of the router's own lag) or its connection closes.
 
     Args:
         heartbeat_interval_s: the period workers report at.
@@ -164,10 +165,14 @@ class WorkerRegistry:
         return now_s - worker.last_seen_s <= self.heartbeat_interval_s * self.max_missed_heartbeats
 
     def alive(self, role: str | None = None) -> list[WorkerInfo]:
-        """Alive workers, of ``role`` ("prefill" / "decode") or all."""
-        now = time.monotonic()
-        return [w for w in self.workers.values()
-                if self.is_alive(w, now) and (role is None or w.info.role == role)]
+        """Alive workers, of ``role`` ("prefill" / "decode") or all: those registered.
+
+        Silence alone does not exclude a worker here: only :meth:`remove_dead`, which the
+        liveness loop calls net of its own lag, judges a worker dead. A router kept busy by a
+        burst of requests has not read the heartbeats queued meanwhile, so a staleness check
+        at routing time would shed requests with "no decode worker" while the worker runs.
+        """
+        return [w for w in self.workers.values() if role is None or w.info.role == role]
 
     def accepting(self, role: str | None = None) -> list[WorkerInfo]:
         """Alive workers that take new requests (not draining)."""
