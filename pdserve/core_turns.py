@@ -46,6 +46,10 @@ PREFILL_TURN_TOKENS = 1024
 #: prompts' prefills).
 PAUSE_SLICE_S = 0.75
 
+#: Most tokens in a decode worker's step while a prefill worker waits for the cores (the
+#: running decodes always go; a short prompt's prefill goes in chunks of what is left).
+YIELD_STEP_TOKENS = 128
+
 
 def prefill_step_tokens(max_num_batched_tokens: int, core_turns: str | None) -> int:
     """A prefill worker's step budget: at most :data:`PREFILL_TURN_TOKENS` while it takes

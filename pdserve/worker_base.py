@@ -261,7 +261,7 @@ class EngineWorker:
                 if self.core_turns is not None:  # what came while we waited joins this step
                     self._receive_messages()
                     self.poll_extra()
-                deltas = self.engine.step()
+                deltas = self.engine_step()
         except Exception:  # an engine bug fails the batch, not the worker
             logger.exception("engine step failed; failing its requests")
             for rid in list(self.engine.requests):  # told to its router, then aborted as
@@ -269,6 +269,10 @@ class EngineWorker:
                 self.abort(rid)  # the router would (a decode worker's lock and states too)
             return
         self.after_step(deltas)
+
+    def engine_step(self):
+        """One engine step, its deltas (the decode worker caps some, see there)."""
+        return self.engine.step()
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT or a :class:`ShutdownWorker` message.

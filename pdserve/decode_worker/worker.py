@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from pdserve.core_turns import YIELD_STEP_TOKENS
 from pdserve.decode_worker.kv_inbox import KVInbox
 from pdserve.decode_worker.kv_lifecycle import (
     FINAL, LIVE, RELEASES_KV, KVDeadlines, KVEvent, KVState, RemoteKV)
@@ -282,6 +283,21 @@ class DecodeWorker(EngineWorker):
     def has_work(self) -> bool:
         """Engine requests, or requests held for a parked one."""
         return super().has_work() or any(self.held.values())
+
+    def engine_step(self):
+        """One engine step; while a prefill worker on the same cores waits for them (it
+        paused a long prefill for this step, see :mod:`pdserve.core_turns`), at most
+        :data:`~pdserve.core_turns.YIELD_STEP_TOKENS` tokens (every running decode still
+        gets its token), so a short prompt's prefill does not hold up the long one."""
+        turns, sched = self.core_turns, self.engine.scheduler
+        if turns is None or not turns.is_waited_for():
+            return self.engine.step()
+        budget = sched.max_num_batched_tokens
+        sched.max_num_batched_tokens = min(budget, max(YIELD_STEP_TOKENS, len(sched.running)))
+        try:
+            return self.engine.step()
+        finally:
+            sched.max_num_batched_tokens = budget
 
     def after_step(self, deltas) -> None:
         """Send the step's deltas to the router in one :class:`StepOutputs` and count the
