@@ -18,7 +18,9 @@ once it has held them for :data:`PAUSE_SLICE_S` and another party waits at the g
 that party run one step and then goes on (:meth:`CoreTurns.pause_point`). So a short prompt
 that reaches the decode worker during a long prompt's chunk waits for a slice, not for the
 chunk; and a worker that waited takes in every message that arrived meanwhile before its
-step starts (``EngineWorker._step``), so such a prompt joins the very next step.
+step starts (``EngineWorker._step``), so such a prompt joins the very next step. A decode
+step taken while a prefill worker waits holds at most :data:`YIELD_STEP_TOKENS` tokens
+(``DecodeWorker.engine_step``), so the pause stays short.
 """
 
 from __future__ import annotations
