@@ -11,7 +11,8 @@ engine is changed for it):
   (token/position/slot lists, tensors) plus the attention metadata (``build_metadata``);
 - ``embedding``, ``gemm`` (every linear layer, LM head excluded), ``attention`` (KV store
   and SDPA), ``norm/rotary/act`` (RMSNorm, rotary, SiLU-and-mul), ``forward other`` (what
-  the forward spends outside those: residual adds, views, layer loop);
+  the forward spends outside those: residual adds, views, layer loop); where the fused CPU
+  kernel runs the step, the same parts come from its own timers (it is one C++ call);
 - ``logits`` (LM head), ``sampling`` (sampler or rejection sampler);
 - ``engine update``: the engine's bookkeeping after the runner (tokens, stop checks, blocks);
 - ``messaging``: encoding the step's :class:`StepOutputs` as the decode worker sends it and
@@ -159,6 +160,18 @@ def profiled_parts(prof, total_ms: float) -> dict[str, float]:
     return parts
 
 
+def add_fused_parts(parts: dict[str, float], fused_ms: list[float]) -> None:
+    """Split the fused CPU kernel's forward (one C++ call, opaque to the torch profiler: it
+    lands in ``input prep``) by its own timers: GEMMs, KV store + attention, norms/rotary/
+    activation/residual adds, and the rest of the call (``forward other``)."""
+    gemm, attention, norm_act, total = fused_ms
+    parts["gemm"] += gemm
+    parts["attention"] += attention
+    parts["norm/rotary/act"] += norm_act
+    parts["forward other"] += max(0.0, total - gemm - attention - norm_act)
+    parts["input prep"] = max(0.0, parts["input prep"] - total)
+
+
 def top_ops(prof, n: int) -> list[tuple[str, float]]:
     ops = [(e.key, e.self_cpu_time_total / 1000.0) for e in prof.key_averages()
            if not e.key.startswith(("forward", "gemm", "attention", "norm/", "schedule",
@@ -226,6 +239,9 @@ def run_scenario(name: str, args, llm, rng, codec, tokenizer) -> dict:
             prefill_steps()
             for _ in range(2):  # warm the decode shape
                 engine.step()
+            fused = getattr(engine.runner.fused_decode, "decoder", None)
+            if fused is not None:
+                fused.part_ms()  # the fused kernel's timers count the steps below only
             steps = 3
             if profiled:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -265,12 +281,20 @@ def run_scenario(name: str, args, llm, rng, codec, tokenizer) -> dict:
         import pdserve.engine.models.llama as llama_mod
         with labelled(llama_mod, "silu_and_mul", "silu_and_mul"):
             handles = install_labels(engine)
+            fused = getattr(runner.fused_decode, "decoder", None)
+            if fused is not None:
+                fused.set_timing(True)
             try:
                 p_seconds, p_steps, deltas, prof = one_run(True)
             finally:
                 for h in handles:
                     h.remove()
+                fused_ms = fused.part_ms() if fused is not None else None
+                if fused is not None:
+                    fused.set_timing(False)
     parts = profiled_parts(prof, p_seconds * 1000)
+    if fused_ms is not None:
+        add_fused_parts(parts, fused_ms)
     parts = {k: v / p_steps for k, v in parts.items()}
     # messaging and detokenization of this step's outputs, as the workers/server do them
     msg = StepOutputs("profile", deltas)

@@ -151,8 +151,8 @@ def test_fused_decoder_matches_the_eager_model(arch, isa, step, tmp_path, monkey
     runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).bfloat16())
     tables = [[3, 4, 5], [7, 1, 9], [2, 6, 8]]
     query_lens, seq_lens = [1, 1, 4], [17, 40, 33]  # two decodes, one 4-row verification
-    if step == "prefill":  # the third request's whole prompt instead of its verification
-        query_lens, seq_lens = [1, 1, 37], [17, 40, 37]
+    if step == "prefill":  # a 20-token chunk after 20 cached positions, a whole prompt
+        query_lens, seq_lens = [1, 20, 37], [17, 40, 37]
     ids, pos, slots = _step_inputs(runner, query_lens, seq_lens, tables, gen)
     before = runner.kv_cache.clone()
     hidden, aux = fused.run(ids, pos, slots, query_lens, tables, aux_layer_ids=(0, 1))
@@ -160,13 +160,15 @@ def test_fused_decoder_matches_the_eager_model(arch, isa, step, tmp_path, monkey
     runner.kv_cache.copy_(before)
     meta = runner.backend.build_metadata(AttentionInputs(
         slot_mapping=slots, query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
-        num_decodes=2, block_size=16))
+        num_decodes=query_lens.count(1), block_size=16))
     with torch.no_grad():
         ref, ref_aux = runner.model(ids, pos, runner.kv_caches, meta, aux_layer_ids=(0, 1))
     assert hidden.dtype == torch.bfloat16 and hidden.shape == ref.shape
     # the final norm's output is of unit scale, where a bf16 step is 2^-7: a few steps apart
-    # where the eager GEMMs are oneDNN's native bf16 ones (another summation order)
-    torch.testing.assert_close(hidden.float(), ref.float(), rtol=2e-2, atol=4e-2)
+    # where the eager GEMMs are oneDNN's native bf16 ones (another summation order): seen
+    # up to 0.047 (6 steps) in single rows, in every build alike; a wrong attention is off
+    # by whole units
+    torch.testing.assert_close(hidden.float(), ref.float(), rtol=2e-2, atol=6e-2)
     torch.testing.assert_close(aux.float(), ref_aux.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(kv_fused.float(), runner.kv_cache.float(), rtol=2e-2, atol=4e-2)
     # the written slots changed, nothing else did

@@ -16,6 +16,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -25,6 +27,9 @@
 namespace {
 
 constexpr int64_t QBLOCK = 32;  // activation quantization block (and int4 scale block)
+// Fewest consecutive query tokens of one request that take the blocked prefill attention
+// kernel in a fused step (fewer go token by token).
+constexpr int64_t FLASH_MIN_QUERIES = 16;
 
 inline float bf16_round(float f) {
     uint32_t u;
@@ -621,6 +626,23 @@ class FusedDecoder {
 
     int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+    // Per-part timing of forward() for profiling (bench/profile_step.py); off by default
+    // (one branch per part when off). part_ms(): ms spent since the last call in {GEMMs,
+    // KV store + attention, norms/rotary/activation/residual adds, the whole forward},
+    // then reset.
+    void set_timing(bool on) {
+        std::lock_guard<std::mutex> hold(mutex_);
+        timing_ = on;
+        part_ns_.fill(0.0);
+    }
+    std::vector<double> part_ms() {
+        std::lock_guard<std::mutex> hold(mutex_);
+        std::vector<double> ms;
+        for (double ns : part_ns_) ms.push_back(ns / 1e6);
+        part_ns_.fill(0.0);
+        return ms;
+    }
+
     // embeds bf16 [M, H]; positions, slots, rows int64 [M]; tables int64 [R, max_blocks];
     // kv_cache bf16 [L, 2, num_blocks, block_size, Hkv, D]. Returns {hidden bf16 [M, H],
     // aux bf16 [M, len(aux_ids) * H] (empty without aux_ids)}.
@@ -647,8 +669,9 @@ class FusedDecoder {
                 tab.size(1), kv_cache.size(2), kv_cache.size(3),
                 reinterpret_cast<uint16_t*>(kv_cache.data_ptr<at::BFloat16>())};
 
-        auto emb = embeds.to(torch::kFloat32).contiguous();
         std::lock_guard<std::mutex> hold(mutex_);  // the scratch buffers are the decoder's
+        Timed whole(part(TOTAL));
+        auto emb = embeds.to(torch::kFloat32).contiguous();
         std::vector<float>& h = sized(buf_.h, M * H_);
         std::memcpy(h.data(), emb.data_ptr<float>(), M * H_ * sizeof(float));
         std::vector<float>& res = sized(buf_.res, M * H_);
@@ -670,7 +693,10 @@ class FusedDecoder {
             } else {
                 add_round_rows(h.data(), res.data(), res.data(), M, H_);
             }
-            rmsnorm(res.data(), layers_[l].input_norm, M, H_, eps_, x.data());
+            {
+                Timed t(part(NORM_ACT));
+                rmsnorm(res.data(), layers_[l].input_norm, M, H_, eps_, x.data());
+            }
             layer(layers_[l], l, st, M, x, h, res);
         }
         add_round_rows(h.data(), res.data(), res.data(), M, H_);
@@ -682,6 +708,27 @@ class FusedDecoder {
     }
 
   private:
+    enum Part { GEMM, ATTENTION, NORM_ACT, TOTAL, NUM_PARTS };
+    // Adds the lifetime of the scope to *slot (nothing where slot is null).
+    struct Timed {
+        double* slot;
+        std::chrono::steady_clock::time_point t0;
+        explicit Timed(double* s) : slot(s) {
+            if (slot) t0 = std::chrono::steady_clock::now();
+        }
+        ~Timed() {
+            if (slot)
+                *slot += std::chrono::duration<double, std::nano>(
+                             std::chrono::steady_clock::now() - t0).count();
+        }
+    };
+    double* part(Part p) { return timing_ ? &part_ns_[p] : nullptr; }
+    template <typename Fn>
+    void timed(Part p, const Fn& fn) {
+        Timed t(part(p));
+        fn();
+    }
+
     struct Step {
         const int64_t *pos, *slots, *tables, *rows;
         int64_t max_blocks, num_blocks, block_size;
@@ -694,32 +741,44 @@ class FusedDecoder {
                std::vector<float>& h, std::vector<float>& res) {
         const int64_t qkv_n = ly.qkv.N, q_size = Hq_ * D_;
         std::vector<float>& qkv = sized(buf_.qkv, M * qkv_n);
-        linear(ly.qkv, x.data(), M, qkv.data());
-        if (!ly.q_norm.empty()) {  // Qwen3: RMSNorm over each query and key head
-            for (int64_t t = 0; t < M; ++t) {
-                float* r = qkv.data() + t * qkv_n;
-                rmsnorm(r, ly.q_norm, Hq_, D_, eps_, r);
-                rmsnorm(r + q_size, ly.k_norm, Hkv_, D_, eps_, r + q_size);
+        timed(GEMM, [&] { linear(ly.qkv, x.data(), M, qkv.data()); });
+        timed(NORM_ACT, [&] {
+            if (!ly.q_norm.empty()) {  // Qwen3: RMSNorm over each query and key head
+                for (int64_t t = 0; t < M; ++t) {
+                    float* r = qkv.data() + t * qkv_n;
+                    rmsnorm(r, ly.q_norm, Hq_, D_, eps_, r);
+                    rmsnorm(r + q_size, ly.k_norm, Hkv_, D_, eps_, r + q_size);
+                }
             }
-        }
-        rotate(qkv.data(), M, qkv_n, st.pos);
-        store_kv(qkv.data(), M, qkv_n, l, st);
+            rotate(qkv.data(), M, qkv_n, st.pos);
+        });
         std::vector<float>& attn = sized(buf_.attn, M * q_size);
-        attention(qkv.data(), M, qkv_n, l, st, attn.data());
+        timed(ATTENTION, [&] {
+            store_kv(qkv.data(), M, qkv_n, l, st);
+            attention(qkv.data(), M, qkv_n, l, st, attn.data());
+        });
         std::vector<float>& o = sized(buf_.o, M * H_);
-        linear(ly.o, attn.data(), M, o.data());
-        add_round_rows(o.data(), res.data(), res.data(), M, H_);
+        timed(GEMM, [&] { linear(ly.o, attn.data(), M, o.data()); });
         std::vector<float>& xn = sized(buf_.xn, M * H_);
-        rmsnorm(res.data(), ly.post_norm, M, H_, eps_, xn.data());
+        timed(NORM_ACT, [&] {
+            add_round_rows(o.data(), res.data(), res.data(), M, H_);
+            rmsnorm(res.data(), ly.post_norm, M, H_, eps_, xn.data());
+        });
         std::vector<float>& gu = sized(buf_.gu, M * 2 * I_);
         std::vector<float>& act = sized(buf_.act, M * I_);
-        linear(ly.gate_up, xn.data(), M, gu.data());
+        timed(GEMM, [&] { linear(ly.gate_up, xn.data(), M, gu.data()); });
+        timed(NORM_ACT, [&] { silu_mul(gu.data(), M, act.data()); });
+        timed(GEMM, [&] { linear(ly.down, act.data(), M, h.data()); });
+    }
+
+    // act [M, I] = bf16(bf16(silu(gate)) * up) from gu [M, 2I] (gate | up per row).
+    void silu_mul(const float* gu, int64_t M, float* act) const {
         parallel_rows(M, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
-            const float* g = gu.data() + t * 2 * I_;
-            float* a = act.data() + t * I_;
+            const float* g = gu + t * 2 * I_;
+            float* a = act + t * I_;
             int64_t i = 0;
-            for (; i + 8 <= I_; i += 8) {  // bf16(silu(gate)) * up, rounded
+            for (; i + 8 <= I_; i += 8) {
                 const __m256 x = _mm256_loadu_ps(g + i);
                 const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
                 const __m256 s = bf16_round8(
@@ -732,7 +791,6 @@ class FusedDecoder {
             }
         }
         });
-        linear(ly.down, act.data(), M, h.data());
     }
 
     // x * cos + roll(x, D/2) * signed_sin per head of the queries and keys, in bf16 steps.
@@ -780,17 +838,84 @@ class FusedDecoder {
     }
 
     // out [M, Hq * D]: softmax(q k^T * scale) v over each token's context (positions 0 ..
-    // pos of its request, read through its block table), fp32, rounded to bf16.
+    // pos of its request, read through its block table), fp32, rounded to bf16. Where the
+    // build has AVX512-BF16, a request's run of FLASH_MIN_QUERIES or more consecutive query
+    // tokens (a prefill chunk) takes the blocked prefill kernel (cpu_prefill_attention.cpp)
+    // over its gathered context; the rest (decodes, verification rows) go token by token.
     void attention(const float* qkv, int64_t M, int64_t ld, int64_t l, const Step& st,
-                   float* out) const {
+                   float* out) {
+#if defined(__AVX512BF16__)
+        if (M >= FLASH_MIN_QUERIES && D_ >= 32) {
+            int64_t pending = 0;  // tokens [pending, t0) go token by token
+            for (int64_t t0 = 0; t0 < M;) {
+                int64_t t1 = t0 + 1;
+                while (t1 < M && st.rows[t1] == st.rows[t0] && st.pos[t1] == st.pos[t1 - 1] + 1)
+                    ++t1;
+                if (t1 - t0 >= FLASH_MIN_QUERIES) {
+                    if (pending < t0) token_attention(qkv, pending, t0, ld, l, st, out);
+                    chunk_attention(qkv, t0, t1, ld, l, st, out);
+                    pending = t1;
+                }
+                t0 = t1;
+            }
+            if (pending < M) token_attention(qkv, pending, M, ld, l, st, out);
+            return;
+        }
+#endif
+        token_attention(qkv, 0, M, ld, l, st, out);
+    }
+
+    // attention() of tokens t0 .. t1 one (token, KV head) at a time.
+    void token_attention(const float* qkv, int64_t t0, int64_t t1, int64_t ld, int64_t l,
+                         const Step& st, float* out) const {
+        Step sub = st;
+        sub.pos += t0;
+        sub.rows += t0;
+        const float* q = qkv + t0 * ld;
+        float* o = out + t0 * Hq_ * D_;
         switch (D_ / 16) {
-            case 1: return attention_nz<1>(qkv, M, ld, l, st, out);
-            case 2: return attention_nz<2>(qkv, M, ld, l, st, out);
-            case 4: return attention_nz<4>(qkv, M, ld, l, st, out);
-            case 8: return attention_nz<8>(qkv, M, ld, l, st, out);
+            case 1: return attention_nz<1>(q, t1 - t0, ld, l, sub, o);
+            case 2: return attention_nz<2>(q, t1 - t0, ld, l, sub, o);
+            case 4: return attention_nz<4>(q, t1 - t0, ld, l, sub, o);
+            case 8: return attention_nz<8>(q, t1 - t0, ld, l, sub, o);
             default: TORCH_CHECK(false, "fused attention takes head_dim 16, 32, 64 or 128");
         }
     }
+
+#if defined(__AVX512BF16__)
+    // attention() of the consecutive queries t0 .. t1 of one request (positions pos[t0] ..
+    // pos[t1 - 1]): its keys 0 .. pos[t1 - 1] gathered from the paged cache, then the
+    // causal prefill kernel (probabilities rounded to bf16 before they weigh the values,
+    // as in the eager bf16 prefill on this CPU).
+    void chunk_attention(const float* qkv, int64_t t0, int64_t t1, int64_t ld, int64_t l,
+                         const Step& st, float* out) {
+        const int64_t n = t1 - t0, lk = st.pos[t1 - 1] + 1, q_size = Hq_ * D_;
+        const int64_t kv_size = Hkv_ * D_;
+        const int64_t* bt = st.tables + st.rows[t0] * st.max_blocks;
+        TORCH_CHECK((lk + st.block_size - 1) / st.block_size <= st.max_blocks,
+                    "context longer than the block table");
+        std::vector<uint16_t>& q = sized(buf_.q16, n * q_size);
+        std::vector<uint16_t>& k = sized(buf_.k16, lk * kv_size);
+        std::vector<uint16_t>& v = sized(buf_.v16, lk * kv_size);
+        std::vector<uint16_t>& o = sized(buf_.o16, n * q_size);
+        const uint16_t *K = cache(st, l, 0), *V = cache(st, l, 1);
+        for (int64_t j = 0; j < lk; j += st.block_size) {  // whole blocks, then the tail
+            const int64_t len = std::min(st.block_size, lk - j);
+            const int64_t src = bt[j / st.block_size] * st.block_size * kv_size;
+            std::memcpy(&k[j * kv_size], K + src, len * kv_size * sizeof(uint16_t));
+            std::memcpy(&v[j * kv_size], V + src, len * kv_size * sizeof(uint16_t));
+        }
+        for (int64_t t = 0; t < n; ++t)  // bf16 values held in fp32: exact
+            for (int64_t i = 0; i < q_size; ++i) q[t * q_size + i] = bf16_bits(qkv[(t0 + t) * ld + i]);
+        namespace pa = pdserve_prefill_attention;
+        const pa::Shapes s{n, lk - n, lk, Hq_, Hkv_, Hq_ / Hkv_, D_, (lk + pa::KB - 1) / pa::KB,
+                           q_size, kv_size, kv_size, q_size,
+                           1.f / std::sqrt(static_cast<float>(D_))};
+        pa::causal(q.data(), k.data(), v.data(), o.data(), s);
+        float* dst = out + t0 * q_size;
+        for (int64_t i = 0; i < n * q_size; ++i) dst[i] = bf16_value(o[i]);
+    }
+#endif
 
     // The same with D = 16 * NZ, NZ a compile-time count so a head's accumulators stay in
     // registers. Per (token, KV head): the scores of each query head of the group 8 keys at
@@ -965,13 +1090,17 @@ class FusedDecoder {
     // tens of MB, and fresh ones per layer cost page faults (glibc maps and unmaps them).
     struct Buffers {
         std::vector<float> h, res, x, qkv, attn, o, xn, gu, act;
+        std::vector<uint16_t> q16, k16, v16, o16;  // a prefill chunk's attention (bf16)
     };
-    static std::vector<float>& sized(std::vector<float>& v, int64_t n) {
+    template <typename T>
+    static std::vector<T>& sized(std::vector<T>& v, int64_t n) {
         v.resize(n);
         return v;
     }
     Buffers buf_;
     std::mutex mutex_;
+    bool timing_ = false;
+    std::array<double, NUM_PARTS> part_ns_{};
 
     int64_t H_, Hq_, Hkv_, D_, I_;
     float eps_;
@@ -1022,6 +1151,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             torch::Tensor, torch::Tensor>())
         .def("add_layer", &FusedDecoder::add_layer)
         .def("num_layers", &FusedDecoder::num_layers)
+        .def("set_timing", &FusedDecoder::set_timing)
+        .def("part_ms", &FusedDecoder::part_ms)
         .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
     pybind11::class_<FusedLinear>(m, "FusedLinear", pybind11::module_local())
         .def(pybind11::init<FusedDecoder::Segs, torch::Tensor, int64_t>())

@@ -240,6 +240,14 @@ void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
     });
 }
 
+// The kernel for s.dim (32, 64 or 128; checked by the callers) over raw bf16 pointers.
+inline void causal(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
+                   const Shapes& s) {
+    if (s.dim == 32) run<2, 4>(q, k, v, out, s);
+    else if (s.dim == 64) run<4, 6>(q, k, v, out, s);
+    else run<8, 2>(q, k, v, out, s);
+}
+
 }  // namespace pdserve_prefill_attention
 
 // Causal prefill attention, bf16 in and out (see the top of this file).
@@ -266,9 +274,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
     auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
     auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
     auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    if (D == 32) run<2, 4>(qd, kd, vd, od, s);
-    else if (D == 64) run<4, 6>(qd, kd, vd, od, s);
-    else run<8, 2>(qd, kd, vd, od, s);
+    causal(qd, kd, vd, od, s);
     return out;
 }
 #endif  // __AVX512BF16__
