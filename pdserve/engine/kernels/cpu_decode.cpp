@@ -15,8 +15,11 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -93,6 +96,25 @@ template <typename Fn>
 inline void parallel_rows(int64_t M, const Fn& fn) {
     if (M > 32) at::parallel_for(0, M, 16, fn);
     else fn(0, M);
+}
+
+// fn over [begin, end) in chunks of `chunk`, on torch's threads, each thread taking the
+// next chunk as it frees up (at::parallel_for gives each thread a fixed share). With no
+// spare core, another process's wakeup preempts one of the threads: with fixed shares the
+// other then waits for it at the region's end, with chunks it takes over the rest. fn must
+// not throw.
+template <typename Fn>
+inline void dynamic_for(int64_t begin, int64_t end, int64_t chunk, const Fn& fn) {
+    const int64_t n = (end - begin + chunk - 1) / chunk;
+    const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
+    if (threads <= 1 || omp_in_parallel()) {
+        fn(begin, end);
+        return;
+    }
+    std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+    for (int64_t c = next.fetch_add(1); c < n; c = next.fetch_add(1))
+        fn(begin + c * chunk, std::min(end, begin + (c + 1) * chunk));
 }
 
 // y[i] = bf16(a[i] + b[i]) (b may be null: y = bf16(a)); y may alias a or b.
@@ -372,14 +394,14 @@ void gemv_bf16(const Segment& g, int64_t K, const float* X, int64_t M, float* Y,
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(X + i)));
         for (; i < M * K; ++i) xb[i] = bf16_bits(bf16_round(X[i]));
         const DpTile tile{W, K, xb.data(), X, Y, ldy};
-        at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
+        dynamic_for(0, g.rows, 4 * panel, [&](int64_t begin, int64_t end) {
             bf16_panels<4, 4, 8, 8>(tile, W, K, begin, end, panel, M);
         });
         return;
     }
 #endif
     const Avx2Tile tile{W, K, X, Y, ldy};
-    at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
+    dynamic_for(0, g.rows, 4 * panel, [&](int64_t begin, int64_t end) {
         bf16_panels<2, 2, 4, 8>(tile, W, K, begin, end, panel, M);
     });
 }
