@@ -192,12 +192,49 @@ def test_fused_path_is_chosen_only_where_it_applies(tmp_path):
     assert LLM(str(tmp_path), dtype="bfloat16", load_progress=False, **small,
                kv_cache_dtype="fp8").engine.runner.fused_decode is None
     fused = LLM(str(tmp_path), dtype="bfloat16", load_progress=False, **small).engine.runner.fused_decode
-    assert fused.can_run(cd.MAX_FUSED_TOKENS, None, 4096)
+    assert fused.can_run(cd.MAX_FUSED_TOKENS, 4096)
     # longer steps (prefill chunks) where torch multiplies bf16 natively, with short contexts
+    # unless the build's prefill chunks take the blocked attention kernel (AVX512-BF16)
     native = cpu_has_native_gemm(torch.bfloat16)
-    assert fused.can_run(cd.MAX_FUSED_TOKENS + 1, None, MAX_FUSED_PREFILL_CONTEXT) == native
-    assert not fused.can_run(cd.MAX_FUSED_TOKENS + 1, None, MAX_FUSED_PREFILL_CONTEXT + 1)
-    assert not fused.can_run(1, lambda layer: None)  # layer-wise KV sends stay eager
+    blocked = hasattr(cd.cpu_decode_module(), "prefill_attention")
+    assert fused.can_run(cd.MAX_FUSED_TOKENS + 1, MAX_FUSED_PREFILL_CONTEXT) == native
+    assert fused.can_run(cd.MAX_FUSED_TOKENS + 1, MAX_FUSED_PREFILL_CONTEXT + 1) == (
+        native and blocked)
+
+
+def test_fused_step_calls_layer_done_once_each_layer_is_in_the_cache(tmp_path):
+    """A prefill worker streams each layer's K/V as soon as it is written: the kernel calls
+    ``layer_done(l)`` for l = 0, 1, ... from inside its call, when layer l's K/V (and no
+    later layer's) are in the cache, and the step's outputs do not change."""
+    from conftest import build_tiny_checkpoint
+
+    build_tiny_checkpoint("llama", tmp_path)
+    llm = LLM(str(tmp_path), dtype="bfloat16", load_progress=False, block_size=16,
+              num_kv_blocks=12, max_model_len=128)
+    runner = llm.engine.runner
+    fused = runner.fused_decode
+    gen = torch.Generator().manual_seed(0)
+    tables, query_lens, seq_lens = [[3, 4, 5]], [37], [37]
+    ids, pos, slots = _step_inputs(runner, query_lens, seq_lens, tables, gen)
+    ref = fused.run(ids, pos, slots, query_lens, tables)
+    after = runner.kv_cache[:, :, [3, 4, 5]].clone()
+    runner.kv_cache.zero_()
+    seen = []
+
+    def layer_done(layer: int) -> None:
+        written = runner.kv_cache[:, :, [3, 4, 5]].flatten(1).ne(0).any(1)  # per layer
+        seen.append((layer, written.tolist()))
+
+    hidden = fused.run(ids, pos, slots, query_lens, tables, layer_done=layer_done)
+    num_layers = runner.kv_cache.shape[0]
+    assert [layer for layer, _ in seen] == list(range(num_layers))
+    for layer, written in seen:
+        assert written == [i <= layer for i in range(num_layers)]
+    assert torch.equal(hidden, ref)
+    assert torch.equal(runner.kv_cache[:, :, [3, 4, 5]], after)
+    with pytest.raises(ZeroDivisionError):  # a failing callback fails the step
+        fused.run(ids, pos, slots, query_lens, tables, layer_done=lambda layer: 1 / 0)
+    assert torch.equal(fused.run(ids, pos, slots, query_lens, tables), ref)  # and it runs on
 
 
 @pytest.mark.parametrize("quantization", [None, "rtn-int4", "rtn-int8"])

@@ -258,9 +258,9 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         if self.fused_decode is not None and self.fused_decode.can_run(
-                len(input_ids), layer_done, max(a.seq_lens)):
+                len(input_ids), max(a.seq_lens)):
             out = self.fused_decode.run(ids_t, pos_t, a.slot_mapping, a.query_lens,
-                                        a.block_tables, aux_layer_ids)
+                                        a.block_tables, aux_layer_ids, layer_done)
             return out if aux_layer_ids else (out, None)
         metadata = self.backend.build_metadata(a)
         if aux_layer_ids:  # EAGLE-3 fuses several target layers

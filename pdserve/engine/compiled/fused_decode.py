@@ -14,6 +14,7 @@ torch's own: the eager model's values, without its ~20 small ops per layer).
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Callable
 
 import gguf
@@ -35,7 +36,8 @@ from pdserve.engine.quantization.int_linear import IntLinear, unpack_nibbles
 
 logger = logging.getLogger(__name__)
 
-#: Longest context a step of more than 32 tokens may have to run fused (see ``can_run``).
+#: Longest context a step of more than 32 tokens may have to run fused where the kernel
+#: attends token by token (builds without AVX512-BF16; see ``can_run``).
 MAX_FUSED_PREFILL_CONTEXT = 512
 
 _Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
@@ -139,6 +141,10 @@ class FusedCpuDecode:
         self.max_tokens = (MAX_FUSED_PREFILL_TOKENS
                            if all_bf16 and cpu_has_native_gemm(torch.bfloat16)
                            else MAX_FUSED_TOKENS)
+        #: longest context a step of more than 32 tokens may have to run fused: any where
+        #: the build's prefill chunks take the blocked prefill attention kernel
+        self.max_prefill_context = (sys.maxsize if hasattr(module, "prefill_attention")
+                                    else MAX_FUSED_PREFILL_CONTEXT)
         head = linear_segments(model.lm_head)
         if int8_lm_head and head is not None and all(k == BF16 for k, _, _ in head):
             head = [int8_segment(torch.cat([w for _, w, _ in head]).float())]
@@ -171,29 +177,32 @@ class FusedCpuDecode:
         logger.info("steps of up to %d tokens run the fused CPU kernel", fused.max_tokens)
         return fused
 
-    def can_run(self, num_tokens: int, layer_done: Callable[[int], None] | None,
-                max_seq_len: int = 0) -> bool:
+    def can_run(self, num_tokens: int, max_seq_len: int = 0) -> bool:
         """Whether a step of ``num_tokens`` tokens, the longest of its requests
-        ``max_seq_len`` tokens long, runs fused (no layer-wise callbacks). Steps of more
-        than 32 tokens run fused only up to :data:`MAX_FUSED_PREFILL_CONTEXT` tokens of
-        context: the kernel attends token by token, which beats torch's flash kernel plus
-        the eager ops only while contexts are short (2-core Zen 4: a 32 x 128 prefill
-        3.86 -> 3.49 s, one 1,500-token prompt 2.09 -> 2.84 s)."""
-        if layer_done is not None or num_tokens <= 0:
+        ``max_seq_len`` tokens long, runs fused. Steps of more than 32 tokens run fused up
+        to :attr:`max_prefill_context` tokens of context: where the build attends token by
+        token (no AVX512-BF16), that beats torch's flash kernel plus the eager ops only
+        while contexts are short (2-core Zen 4: a 32 x 128 prefill 3.86 -> 3.49 s, one
+        1,500-token prompt 2.09 -> 2.84 s); with the blocked prefill attention kernel a
+        1,500-token prompt took 1.21 s fused against 1.37 s eager."""
+        if num_tokens <= 0:
             return False
         return num_tokens <= MAX_FUSED_TOKENS or (
-            num_tokens <= self.max_tokens and max_seq_len <= MAX_FUSED_PREFILL_CONTEXT)
+            num_tokens <= self.max_tokens and max_seq_len <= self.max_prefill_context)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             query_lens: list[int], block_tables: list[list[int]],
-            aux_layer_ids: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            aux_layer_ids: tuple[int, ...] = (),
+            layer_done: Callable[[int], None] | None = None,
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The model's forward for one step (what :meth:`LlamaForCausalLM.forward` returns).
 
         Args:
             input_ids, positions, slot_mapping: ``[num_tokens]`` int64.
             query_lens: tokens of each request this step (they sum to ``num_tokens``).
             block_tables: each request's block ids.
-            aux_layer_ids: as in :meth:`LlamaModel.forward`.
+            aux_layer_ids, layer_done: as in :meth:`LlamaModel.forward` (``layer_done`` is
+                called from inside the kernel's call, between layers).
 
         Returns:
             ``hidden [num_tokens, hidden_size]`` bf16, or ``(hidden, aux)`` with
@@ -210,7 +219,7 @@ class FusedCpuDecode:
                                        torch.tensor(query_lens))
         embeds = self.model.model.embed_tokens(input_ids)
         hidden, aux = self.decoder.forward(embeds, positions, slot_mapping, tables, rows,
-                                           self.kv_cache, list(aux_layer_ids))
+                                           self.kv_cache, list(aux_layer_ids), layer_done)
         bad = [i for i in aux_layer_ids if not 0 <= i < self.decoder.num_layers()]
         if bad:
             raise ValueError(f"aux_layer_ids {bad} are not layers of this model "

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <omp.h>
+#include <pybind11/functional.h>
 
 #include <algorithm>
 #include <array>
@@ -723,11 +724,14 @@ class FusedDecoder {
 
     // embeds bf16 [M, H]; positions, slots, rows int64 [M]; tables int64 [R, max_blocks];
     // kv_cache bf16 [L, 2, num_blocks, block_size, Hkv, D]. Returns {hidden bf16 [M, H],
-    // aux bf16 [M, len(aux_ids) * H] (empty without aux_ids)}.
+    // aux bf16 [M, len(aux_ids) * H] (empty without aux_ids)}. layer_done (may be empty) is
+    // called with each layer's index once its K/V are in the cache (a Python callable: it
+    // takes the GIL for the call).
     std::vector<torch::Tensor> forward(torch::Tensor embeds, torch::Tensor positions,
                                        torch::Tensor slots, torch::Tensor tables,
                                        torch::Tensor rows, torch::Tensor kv_cache,
-                                       std::vector<int64_t> aux_ids) {
+                                       std::vector<int64_t> aux_ids,
+                                       std::function<void(int64_t)> layer_done) {
         const int64_t M = embeds.size(0);
         TORCH_CHECK(M >= 1 && embeds.size(1) == H_, "embeds must be [tokens, H]");
         TORCH_CHECK(kv_cache.scalar_type() == torch::kBFloat16 && kv_cache.is_contiguous() &&
@@ -776,6 +780,7 @@ class FusedDecoder {
                 rmsnorm(res.data(), layers_[l].input_norm, M, H_, eps_, x.data());
             }
             layer(layers_[l], l, st, M, x, h, res);
+            if (layer_done) layer_done(l);  // layer l's K/V are in the cache
         }
         add_round_rows(h.data(), res.data(), res.data(), M, H_);
         rmsnorm(res.data(), final_norm_, M, H_, eps_, x.data());
