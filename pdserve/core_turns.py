@@ -126,11 +126,13 @@ class CoreTurns:
         self.num_pauses += 1
         return True
 
-    def pause_between_layers(self, model, slice_s: float = PAUSE_SLICE_S) -> int:
+    def pause_between_layers(self, model, slice_s: float = PAUSE_SLICE_S, fused=None) -> int:
         """Make every decoder layer of ``model`` (a ``torch.nn.Module`` holding them in a
         ``ModuleList`` named ``layers``) end with :meth:`pause_point`, through a forward
         hook, so a long eager forward hands the cores over every ``slice_s`` while another
-        party waits. Returns the number of layers hooked."""
+        party waits; likewise between the layers of ``fused`` (the runner's
+        :class:`~pdserve.engine.compiled.fused_decode.FusedCpuDecode`, or None), which
+        runs them in one call. Returns the number of layers hooked."""
         layers = [m for name, m in model.named_modules()
                   if name.rsplit(".", 1)[-1] == "layers" and hasattr(m, "__iter__")]
         def hook(*_) -> None:  # a hook's non-None result would replace the layer's output
@@ -138,6 +140,8 @@ class CoreTurns:
 
         for layer in (layers[0] if layers else []):
             layer.register_forward_hook(hook)
+        if fused is not None:
+            fused.between_layers.append(hook)
         return len(layers[0]) if layers else 0
 
     def close(self) -> None:

@@ -343,11 +343,10 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     logger.info("%s worker on cores %s with %d torch threads", role,
                 format_cpu_list(applied.cpus), applied.num_threads)
     config = engine_config_from_args(args, args.model)
-    if role == "prefill":  # one token per request: nothing to speculate on; KV streams layer
-        # by layer (eager model): no CUDA graphs or fused CPU kernel (their weight copies)
+    if role == "prefill":  # one token per request: no speculation; no CUDA graphs (KV streams)
         config = dataclasses.replace(config, speculative_method="none", speculative_model=None,
                                      speculative_draft_confidence=0.0,
-                                     speculative_disable_by_batch_size=0, enforce_eager=True,
+                                     speculative_disable_by_batch_size=0,
                                      max_num_batched_tokens=prefill_step_tokens(
                                          config.max_num_batched_tokens, args.core_turns))
     engine = LLMEngine(config)
@@ -356,7 +355,8 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     worker = make_worker(engine, worker_id, name, keys)
     worker.drain_s, worker.core_turns = args.shutdown_grace_period, CoreTurns.of(args.core_turns)
     if role == "prefill" and worker.core_turns is not None:  # a long chunk lets D step
-        worker.core_turns.pause_between_layers(engine.runner.model)
+        worker.core_turns.pause_between_layers(engine.runner.model,
+                                               fused=engine.runner.fused_decode)
     metrics_server = None
     if args.metrics_port is not None:
         try:

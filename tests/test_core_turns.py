@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -185,3 +185,48 @@ def test_a_decode_step_while_a_prefill_worker_waits_takes_at_most_the_yield_budg
     deltas = DecodeWorker.engine_step(worker)
     assert engine.requests["long"].num_computed_tokens == 300
     assert "long" in {d.request_id for d in deltas}
+
+
+_FUSED_PREFILL = """
+import json, sys, tempfile, torch
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from conftest import build_tiny_checkpoint
+from pdserve.core_turns import CoreTurns
+from pdserve.engine import LLM
+path = Path(tempfile.mkdtemp())
+build_tiny_checkpoint("llama", path)
+runner = LLM(str(path), dtype="bfloat16", load_progress=False, block_size=16, num_kv_blocks=12,
+             max_model_len=128).engine.runner
+fused = runner.fused_decode
+turns = CoreTurns(sys.argv[1])
+turns.pause_between_layers(runner.model, float(sys.argv[2]), fused=fused)
+with turns.turn():
+    print(json.dumps(["holding", len(fused.between_layers)]), flush=True)
+    sys.stdin.readline()  # the decode side waits now
+    ids = torch.arange(40)
+    fused.run(ids, ids, ids + 48, [40], [[3, 4, 5]])
+print(json.dumps(["pauses", turns.num_pauses]), flush=True)
+"""
+
+
+def test_a_fused_prefill_step_hands_the_cores_over_between_layers(tmp_path):
+    """A prefill worker's fused CPU step runs every layer in one kernel call: its pause
+    points are called back between the layers, so a waiting decode side steps inside it
+    (slice 0: a pause after every layer while it waits)."""
+    from pdserve.engine.kernels.cpu_decode import cpu_decode_module
+
+    if cpu_decode_module() is None:
+        pytest.skip("no fused CPU kernel on this machine")
+    tests_dir = str(Path(__file__).parent)
+    prefill = subprocess.Popen([sys.executable, "-c", _FUSED_PREFILL, str(tmp_path), "0",
+                                tests_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    holding = json.loads(prefill.stdout.readline())
+    assert holding == ["holding", 1]  # the fused decoder got the pause point
+    decode = _stepper(tmp_path, "decode", 0.0, 3)
+    time.sleep(0.5)  # it waits at the gate
+    out, _ = prefill.communicate("go\n", timeout=60)
+    decode.communicate(timeout=60)
+    assert prefill.returncode == 0 and decode.returncode == 0
+    assert json.loads(out.splitlines()[-1])[1] >= 1  # a decode step inside the fused step

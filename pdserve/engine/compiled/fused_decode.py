@@ -145,6 +145,9 @@ class FusedCpuDecode:
         #: the build's prefill chunks take the blocked prefill attention kernel
         self.max_prefill_context = (sys.maxsize if hasattr(module, "prefill_attention")
                                     else MAX_FUSED_PREFILL_CONTEXT)
+        #: called with each layer's index after it, in every fused step (a prefill
+        #: worker's pause points, :meth:`pdserve.core_turns.CoreTurns.pause_between_layers`)
+        self.between_layers: list[Callable[[int], None]] = []
         head = linear_segments(model.lm_head)
         if int8_lm_head and head is not None and all(k == BF16 for k, _, _ in head):
             head = [int8_segment(torch.cat([w for _, w, _ in head]).float())]
@@ -218,8 +221,10 @@ class FusedCpuDecode:
         rows = torch.repeat_interleave(torch.arange(len(query_lens)),
                                        torch.tensor(query_lens))
         embeds = self.model.model.embed_tokens(input_ids)
-        hidden, aux = self.decoder.forward(embeds, positions, slot_mapping, tables, rows,
-                                           self.kv_cache, list(aux_layer_ids), layer_done)
+        hooks = ([layer_done] if layer_done is not None else []) + self.between_layers
+        hidden, aux = self.decoder.forward(
+            embeds, positions, slot_mapping, tables, rows, self.kv_cache, list(aux_layer_ids),
+            (lambda layer: [hook(layer) for hook in hooks]) if hooks else None)
         bad = [i for i in aux_layer_ids if not 0 <= i < self.decoder.num_layers()]
         if bad:
             raise ValueError(f"aux_layer_ids {bad} are not layers of this model "
