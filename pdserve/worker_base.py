@@ -236,6 +236,7 @@ class EngineWorker:
         that one is leaving, and we stop reporting to it until it registers us again."""
         if len(self.links.links) <= 1:
             self.should_stop = True
+            link.is_registered = False  # its connection closing next is no loss
             return
         logger.info("router %s is shutting down; serving the others", link.address)
         link.is_registered = False

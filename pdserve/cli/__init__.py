@@ -21,11 +21,12 @@ from pdserve.cli.train_eagle import add_train_eagle_parser
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` to an option's help unless the help already says it, the
-    option is required or its default is None (the help says what leaving it out does)."""
+    option is required, its default is None (the help says what leaving it out does) or it
+    is an on/off switch (``--no-core-turns (default: True)`` read as if the flag were on)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.help and ("default:" in action.help or action.required
-                            or action.default is None):
+                            or action.default is None or action.nargs == 0):
             return action.help
         return super()._get_help_string(action)
 

@@ -68,7 +68,9 @@ def build_app(state: ServerState) -> FastAPI:
             from pdserve.front_doors import wait_for_decode_worker
             await wait_for_decode_worker(state)
         yield
-        await state.router.stop()
+        # workers ``serve`` started are told to exit before the socket closes (a closed
+        # connection alone reads as a lost router to them)
+        await state.router.stop(shutdown_workers=state.num_workers_expected > 0)
         if state.worker_scraper is not None:
             await state.worker_scraper.aclose()
 
