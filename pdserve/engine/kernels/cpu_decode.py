@@ -103,19 +103,6 @@ def _build(name: str):
         _state[f"build:{name}"] = build_cpu_extension(f"cpu_decode_{name}", source, cflags,
                                                       needs)
     return _state[f"build:{name}"]
-    with _lock:
-        if key not in _state:
-            source = "".join(Path(__file__).with_name(f).read_text() for f in (
-                "cpu_prefill_attention.cpp", "cpu_decode.cpp"))  # one translation unit
-            names = [isa] if isa else [n for n in BUILDS if BUILDS[n][1] <= cpu_flags()]
-            module = None
-            for name in names:
-                cflags, needs = BUILDS[name]
-                module = build_cpu_extension(f"cpu_decode_{name}", source, cflags, needs)
-                if module is not None:
-                    break
-            _state[key] = module
-        return _state[key]
 
 
 #: One weight segment as the C++ side takes it: ``(kind, w, s)`` (``s`` empty for bf16).
