@@ -988,15 +988,20 @@ class FusedDecoder {
             std::memcpy(&k[j * kv_size], K + src, len * kv_size * sizeof(uint16_t));
             std::memcpy(&v[j * kv_size], V + src, len * kv_size * sizeof(uint16_t));
         }
-        for (int64_t t = 0; t < n; ++t)  // bf16 values held in fp32: exact
-            for (int64_t i = 0; i < q_size; ++i) q[t * q_size + i] = bf16_bits(qkv[(t0 + t) * ld + i]);
+        for (int64_t t = 0; t < n; ++t)  // bf16 values held in fp32: exact (q_size % 16 == 0)
+            for (int64_t i = 0; i < q_size; i += 16)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(&q[t * q_size + i]),
+                                    (__m256i)_mm512_cvtneps_pbh(
+                                        _mm512_loadu_ps(qkv + (t0 + t) * ld + i)));
         namespace pa = pdserve_prefill_attention;
         const pa::Shapes s{n, lk - n, lk, Hq_, Hkv_, Hq_ / Hkv_, D_, (lk + pa::KB - 1) / pa::KB,
                            q_size, kv_size, kv_size, q_size,
                            1.f / std::sqrt(static_cast<float>(D_))};
         pa::causal(q.data(), k.data(), v.data(), o.data(), s);
         float* dst = out + t0 * q_size;
-        for (int64_t i = 0; i < n * q_size; ++i) dst[i] = bf16_value(o[i]);
+        for (int64_t i = 0; i < n * q_size; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&o[i]))), 16)));
     }
 #endif
 
