@@ -20,18 +20,30 @@ from server_utils import ServerProcess, metrics
 from test_disaggregated_e2e import MODEL, long_prompt
 
 
-def test_prefill_rate_is_the_marginal_rate_beyond_a_decode_step():
-    """Steps of 10 ms plus 0.5 ms per prefill token: 2,000 tokens/s, however small the
-    prefill (a step-time ratio would say 6 tokens / 13 ms = 460 tokens/s)."""
-    torch = pytest.importorskip("torch")
-    stats = PrefillStats()
+def observe_step(stats: PrefillStats, num_prefill: int, num_decodes: int,
+                 step_s: float) -> None:
+    """Feed ``stats`` one step: ``num_decodes`` one-token rows, then a prefill chunk of
+    ``num_prefill`` tokens (none if 0), that took ``step_s`` seconds."""
+    import torch
+
+    def req(n: int) -> Request:
+        return Request("r", list(range(n)), SamplingParams(), 4, (0,), torch.device("cpu"))
+    scheduled = [ScheduledRequest(req(10), 1) for _ in range(num_decodes)]
+    if num_prefill:
+        scheduled.append(ScheduledRequest(req(400), num_prefill))
     idle = Scheduler(BlockManager(8, 16, False), max_num_seqs=4, max_num_batched_tokens=64)
+    stats.observe(SchedulerOutput(scheduled, num_decodes=num_decodes,
+                                  num_prefill_tokens=num_prefill), idle, step_s)
+
+
+def test_prefill_rate_is_the_marginal_rate_beyond_a_decode_step():
+    """Steps of 10 ms plus 0.5 ms per prefill token riding along 30 decode rows: 2,000
+    tokens/s, however small the prefill (a step-time ratio would say 6 tokens / 13 ms =
+    460 tokens/s)."""
+    stats = PrefillStats()
 
     def step(num_prefill: int) -> None:
-        req = Request("r", list(range(100)), SamplingParams(), 4, (0,), torch.device("cpu"))
-        sched = SchedulerOutput([ScheduledRequest(req, num_prefill)] if num_prefill else [],
-                                num_prefill_tokens=num_prefill)
-        stats.observe(sched, idle, 0.010 + 0.0005 * num_prefill)
+        observe_step(stats, num_prefill, 30, 0.010 + 0.0005 * num_prefill)
 
     step(300)  # the first step is not measured (one-time costs)
     assert stats.prefill_tokens_per_s == 0
@@ -44,6 +56,23 @@ def test_prefill_rate_is_the_marginal_rate_beyond_a_decode_step():
     for n in (1, 40, 300):
         step(n)
         assert stats.prefill_tokens_per_s == pytest.approx(2000)
+
+
+def test_a_prefill_is_charged_at_least_its_share_of_the_step_rows():
+    """A step costs about the same for 1 row as for 45 (the weights are read once), so the
+    margin over a one-row decode step says little about a long prompt (a rate 5x the real
+    one sent a 1,500-token prompt to a busy decode worker): a prefill-only step counts
+    whole, a prefill beside decode rows at least its share of the rows."""
+    alone = PrefillStats()
+    for _ in range(4):  # the first is not measured; then one-row decode steps of 20 ms
+        observe_step(alone, 0, 1, 0.020)
+    observe_step(alone, 45, 0, 0.022)  # 2 ms over the base, but it ran nothing else
+    assert alone.prefill_tokens_per_s == pytest.approx(45 / 0.022)
+    beside = PrefillStats()
+    for _ in range(4):
+        observe_step(beside, 0, 15, 0.020)
+    observe_step(beside, 15, 15, 0.022)  # 2 ms over the base; half the rows were its
+    assert beside.prefill_tokens_per_s == pytest.approx(15 / 0.011)
 
 
 def test_engine_measures_its_prefill_rate_and_backlog(tiny_llama_checkpoint):
