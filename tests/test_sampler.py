@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
+from pdserve.engine.request import Request
 from pdserve.engine.sample import Sampler, SamplingMetadata, apply_penalties
+from pdserve.engine.sample.draws import draw_uniforms, sample_rows
 from pdserve.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -155,6 +157,38 @@ def test_temperature_sampling_follows_softmax_of_scaled_logits():
         (obs - num_draws * p) ** 2 / (num_draws * p) for obs, p in zip(observed, expected_probs)
     )
     assert chi_square < CHI_SQUARE_CRITICAL_DF7_P001
+
+
+def test_inverse_transform_draw_is_exact_on_a_grid_and_never_draws_zero_weights():
+    """Uniforms evenly spaced over [0, 1) hit each token exactly in proportion to its
+    (unnormalized) weight; zero weights, also at the ends, are never drawn, not even by
+    the largest uniform below 1."""
+    weights = torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, 4.0, 0.0, 0.0])
+    n = 1000
+    uniforms = torch.arange(n, dtype=torch.float64) / n
+    tokens = sample_rows(weights.expand(n, -1), uniforms)
+    assert torch.bincount(tokens, minlength=8).tolist() == [0, 100, 0, 200, 300, 400, 0, 0]
+    top = torch.tensor([math.nextafter(1.0, 0.0)], dtype=torch.float64)
+    assert sample_rows(torch.tensor([[0.0, 0.1, 0.7, 0.2, 0.0]]), top).tolist() == [3]
+    assert sample_rows(torch.tensor([[0.0, 0.3, 0.0]]), torch.zeros(1)).tolist() == [1]
+    assert sample_rows(torch.zeros(1, 4), torch.zeros(1)).tolist() == [3]  # in range
+
+
+def test_seeded_rows_draw_their_own_uniform_and_skipping_draws_matches_sampling():
+    """A seeded row's uniform comes from its own generator whatever the batch; advancing
+    a generator past n tokens (a migrated request) leaves it where sampling n tokens
+    would."""
+    generators = {1: seeded(7)}
+    batch = draw_uniforms(3, generators, seeded(1), torch.device("cpu"))
+    alone = draw_uniforms(1, {0: seeded(7)}, seeded(99), torch.device("cpu"))
+    assert batch[1] == alone[0] and batch[0] != batch[1]
+    params = SamplingParams(temperature=1.0, seed=5)
+    sampled = Request("a", [1, 2], params, 4, (0,), torch.device("cpu"))
+    skipped = Request("b", [1, 2], params, 4, (0,), torch.device("cpu"))
+    for _ in range(3):
+        draw_uniforms(1, {0: sampled.generator}, None, torch.device("cpu"))
+    skipped.skip_sampled_draws(3, vocab_size=8)
+    assert torch.rand(1, generator=sampled.generator) == torch.rand(1, generator=skipped.generator)
 
 
 # --- truncation --------------------------------------------------------------------------

@@ -15,7 +15,8 @@ Processing order of the slow path (each step only when some row needs it)::
         │
         ├─► greedy rows:  argmax
         └─► random rows:  / temperature ─► min_p ─► top_k ─► top_p ─► softmax
-                          ─► argmax(probs / q), q ~ Exp(1)   (exponential race)
+                          ─► inverse transform: one uniform u per row, the first
+                             token whose cumulative probability exceeds u (draws.py)
 
 The sampler never modifies the caller's logits tensor and does no host sync.
 """
@@ -31,6 +32,7 @@ from pdserve.engine.sample.logits_processors import (
     apply_penalties,
     apply_top_k_top_p,
 )
+from pdserve.engine.sample.draws import draw_uniforms, sample_rows
 from pdserve.engine.sample.logprobs import LogprobsTensors, gather_logprobs
 from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
@@ -137,11 +139,10 @@ class Sampler:
         metadata: SamplingMetadata,
         default_generator: torch.Generator | None,
     ) -> torch.Tensor:
-        """Temperature, min_p, top_k, top_p, then the exponential race. Returns ``[B]`` int64.
-
-        ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks token ``i`` with probability
-        ``probs[i]``, so sampling is one vectorized op with no host sync. Greedy rows in a
-        mixed batch are computed too (with temperature 1) and overwritten by the caller.
+        """Temperature, min_p, top_k, top_p, then one token per row by inverse transform
+        sampling (:func:`~pdserve.engine.sample.draws.sample_rows`, one uniform per row, no
+        host sync). Returns ``[B]`` int64. Greedy rows in a mixed batch are computed too
+        (with temperature 1) and overwritten by the caller.
         """
         is_greedy = metadata.temperature <= GREEDY_TEMPERATURE
         temperature = torch.where(is_greedy, 1.0, metadata.temperature)
@@ -151,11 +152,8 @@ class Sampler:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)  # [B, V] fp32
 
-        noise = torch.empty_like(probs).exponential_(generator=default_generator)
-        # A seeded row draws its own [V] noise, so its tokens do not depend on the batch.
-        for row, generator in metadata.generators.items():
-            noise[row].exponential_(generator=generator)
-        # Exp(1) can round to 0; a zero would turn masked tokens' 0/0 into NaN.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+        # A seeded row draws its own uniform, so its tokens do not depend on the batch.
+        uniforms = draw_uniforms(probs.shape[0], metadata.generators, default_generator,
+                                 probs.device)
+        return sample_rows(probs, uniforms)
 

@@ -32,6 +32,7 @@ from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.loader.checkpoint import load_checkpoint
 from pdserve.engine.loader.default_model import resolve_model
 from pdserve.engine.request import Request
+from pdserve.engine.sample.draws import draw_uniforms, sample_rows
 from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.spec_decode.proposer import max_num_drafts
@@ -298,11 +299,9 @@ class ModelProposer:
         q = scaled.softmax(dim=-1)  # [R, V] fp32
         rows = torch.arange(logits.shape[0], device=logits.device)
         truncated = truncated_probs(scaled, smeta, rows)
-        noise = torch.empty_like(truncated).exponential_(generator=self.runner.default_generator)
-        for row, gen in smeta.generators.items():
-            noise[row].exponential_(generator=gen)
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        tokens = torch.where(is_greedy, logits.argmax(dim=-1), truncated.div_(noise).argmax(-1))
+        uniforms = draw_uniforms(truncated.shape[0], smeta.generators,
+                                 self.runner.default_generator, truncated.device)
+        tokens = torch.where(is_greedy, logits.argmax(dim=-1), sample_rows(truncated, uniforms))
         conf = None
         if self.draft_confidence > 0:
             probs = (torch.where(is_greedy.unsqueeze(1), logits.softmax(dim=-1), q)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.sample.draws import sample_rows
 from pdserve.engine.sample.logits_processors import apply_min_p, apply_top_k_top_p
 from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
@@ -120,8 +121,8 @@ class RejectionSampler:
                 and penalties are not supported in verification yet.
             default_generator: noise for random requests without their own generator;
                 ``None`` uses torch's global RNG. A request with its own generator draws
-                ``k_i`` uniforms, then ``[k_i + 1, V]`` exponentials from it, so its tokens
-                do not depend on the rest of the batch.
+                ``k_i`` acceptance uniforms, then ``k_i + 1`` fp64 uniforms for its rows'
+                tokens, from it, so its tokens do not depend on the rest of the batch.
 
         Returns:
             ``RejectionSamplerOutput``; the output distribution of every request equals the
@@ -249,10 +250,9 @@ class RejectionSampler:
             draft_q.log(), metadata, request_of_row[draft_rows]
         )  # [D, V] fp32, same truncation as the target
 
-        uniform, exponential = _draw_noise(
-            num_draft, target_logits.shape[1], metadata, default_generator,
-            target_logits.device,
-        )  # [D] fp32, [N, V] fp32
+        uniform, row_uniform = _draw_noise(
+            num_draft, metadata, default_generator, target_logits.device,
+        )  # [D] fp32, [N] fp64
         p_draft = target_probs[draft_rows]  # [D, V]
         p_of_x = p_draft.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [D]
         q_of_x = draft_q.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [D]
@@ -265,9 +265,9 @@ class RejectionSampler:
         residual_is_empty = residual.sum(dim=1, keepdim=True) <= 0.0
         residual = torch.where(residual_is_empty, p_draft, residual)
         sampling_probs = target_probs.clone()
-        sampling_probs[draft_rows] = residual  # unnormalized weights are fine for the race
-        # Exponential race: argmax(w / E), E ~ Exp(1), picks i with probability w_i / sum(w).
-        row_tokens = sampling_probs.div_(exponential).argmax(dim=-1)  # [N] int64
+        sampling_probs[draft_rows] = residual  # unnormalized weights are fine
+        # Inverse transform sampling: i with probability w_i / sum(w).
+        row_tokens = sample_rows(sampling_probs, row_uniform)  # [N] int64
         return row_tokens, is_accepted
 
 
@@ -352,21 +352,19 @@ def truncated_probs(
 
 def _draw_noise(
     num_draft: list[int],
-    vocab_size: int,
     metadata: SamplingMetadata,
     default_generator: torch.Generator | None,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Acceptance uniforms ``[D]`` fp32 and race exponentials ``[N, V]`` fp32.
+    """Acceptance uniforms ``[D]`` fp32 and the rows' token uniforms ``[N]`` fp64.
 
     One batched draw from ``default_generator``; then every request with its own generator
-    redraws its rows from it (``k_i`` uniforms, then ``[k_i + 1, V]`` exponentials).
+    redraws its values from it (``k_i`` acceptance uniforms, then ``k_i + 1`` row uniforms).
     """
     num_rows = sum(num_draft) + len(num_draft)
     uniform = torch.rand(sum(num_draft), generator=default_generator, device=device)
-    exponential = torch.empty(num_rows, vocab_size, device=device).exponential_(
-        generator=default_generator
-    )
+    row_uniform = torch.rand(num_rows, dtype=torch.float64, generator=default_generator,
+                             device=device)
     if metadata.generators:
         row_starts = _cumsum_start(num_draft)
         for request, generator in metadata.generators.items():
@@ -376,7 +374,7 @@ def _draw_noise(
             uniform[draft_start : draft_start + k] = torch.rand(
                 k, generator=generator, device=device
             )
-            exponential[row_start : row_start + k + 1].exponential_(generator=generator)
-    # Exp(1) can round to 0; a zero would turn masked tokens' 0/0 into NaN.
-    exponential.clamp_min_(torch.finfo(exponential.dtype).tiny)
-    return uniform, exponential
+            row_uniform[row_start : row_start + k + 1] = torch.rand(
+                k + 1, dtype=torch.float64, generator=generator, device=device
+            )
+    return uniform, row_uniform
