@@ -96,14 +96,12 @@ class Request:
         """Advance a seeded, sampled request's generator past ``num_tokens`` tokens that
         were sampled elsewhere (another worker before a migration, the prefill worker's
         first token), so it continues its random stream where that worker stopped: the
-        sampler draws one fp64 uniform per token (``vocab_size`` is kept for callers; the
-        draw does not depend on it). Speculative decoding draws a varying amount per step,
-        so a continuation under it is not reproducible."""
+        sampler draws one fp64 uniform per token (whatever ``vocab_size``). Speculative
+        decoding draws a varying amount per step: its continuations are not reproducible."""
         if self.generator is None or self.sampling_params.temperature <= GREEDY_TEMPERATURE:
             return
-        for _ in range(num_tokens):
-            torch.rand(1, dtype=torch.float64, generator=self.generator,
-                       device=self.generator.device)
+        torch.rand(num_tokens, dtype=torch.float64, generator=self.generator,
+                   device=self.generator.device)
 
     @property
     def num_tokens(self) -> int:

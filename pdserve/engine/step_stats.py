@@ -1,17 +1,12 @@
-"""What the engine measures of its own steps for the router's predicted-TTFT routing: its
-prefill throughput and the prompt tokens still to prefill, kept as plain numbers that a
-heartbeat thread may read at any time.
+"""What the engine measures of its own steps for predicted-TTFT routing: its prefill
+throughput and the prompt tokens still to prefill, plain numbers a heartbeat thread reads.
 
 A step's wall time is modelled as ``base_s + num_prefill_tokens / rate``: ``base_s`` is
-what a step costs without prefill tokens (reading the weights for the decode rows),
-measured on decode-only steps; the rate is the marginal one a prefill adds, so a few
-prompt tokens riding along a decode batch are not mistaken for a slow prefill. The
-prefill is charged at least its share of the step's rows, though: a step is not linear
-in its rows (up to a few hundred rows cost about what one row costs: the weights are read
-once), so a prefill-only step of 45 tokens that took 2 ms more than a one-row decode
-step is not a rate of 20,000 tokens/s for a 1,500-token prompt; in a step with no decode
-rows the prefill pays for the whole step. The engine's first step is not measured: it
-pays one-time costs (allocations, kernel choices).
+what a step costs without prefill tokens, measured on decode-only steps; the rate is the
+marginal one a prefill adds (a few prompt tokens riding along a decode batch are not a
+slow prefill), but charged at least the prefill's share of the step's rows (a few rows
+cost what one does: a 45-token prefill's margin over a one-row step said nothing of a long
+prompt). The first step is not measured: it pays one-time costs.
 """
 
 from __future__ import annotations
@@ -34,11 +29,9 @@ class PrefillStats:
     """Prefill rate and backlog, updated once per step (:meth:`observe`).
 
     Attributes:
-        step_base_s: moving average of the wall time of steps without prefill tokens
-            (seconds; 0 until one ran).
-        prefill_tokens_per_s: marginal prefill throughput, tokens per second of step time
-            beyond ``step_base_s`` but no less than the prefill's share of the step's rows
-            (0 until a step prefilled).
+        step_base_s: moving average of decode-only steps' wall time (s; 0: none yet).
+        prefill_tokens_per_s: prefill tokens per second of step time beyond
+            ``step_base_s``, at least the prefill's share of the rows (0: none yet).
         num_prefill_tokens_queued: prompt tokens not yet prefilled after the last step
             (waiting requests and the rest of partly prefilled ones).
         num_prefill_tokens_computed: prompt tokens this engine has run through the model
@@ -54,8 +47,7 @@ class PrefillStats:
         self._is_first_step = True
         # decayed sums over prefill steps: seconds, tokens, steps
         self._sum_s = self._sum_tokens = self._num_steps = 0.0
-        # decayed sum of each prefill step's time times its prefill share of the rows
-        self._sum_share_s = 0.0
+        self._sum_share_s = 0.0  # decayed: step time x the prefill's share of its rows
 
     def observe(self, sched: SchedulerOutput, scheduler: Scheduler, step_s: float) -> None:
         """Fold in one step that ran ``sched`` in ``step_s`` seconds (after the scheduler
@@ -69,9 +61,8 @@ class PrefillStats:
             self.step_base_s = step_s if old <= 0 else old + BASE_EMA_WEIGHT * (step_s - old)
         else:
             keep = math.exp(-num_prefill / PREFILL_WINDOW_TOKENS)
-            num_rows = sum(s.num_new_tokens for s in sched.scheduled)
-            share_s = step_s * num_prefill / max(num_rows, num_prefill)
-            self._sum_share_s = keep * self._sum_share_s + share_s
+            rows = max(sum(s.num_new_tokens for s in sched.scheduled), num_prefill)
+            self._sum_share_s = keep * self._sum_share_s + step_s * num_prefill / rows
             self._sum_s = keep * self._sum_s + step_s
             self._sum_tokens = keep * self._sum_tokens + num_prefill
             self._num_steps = keep * self._num_steps + 1
