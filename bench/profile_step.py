@@ -35,7 +35,7 @@ import platform
 import random
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -276,6 +276,8 @@ def run_scenario(name: str, args, llm, rng, codec, tokenizer) -> dict:
             labelled(runner.backend, "build_metadata", "attention metadata"), \
             labelled(runner.backend, "forward", "attention"), \
             labelled(runner.model, "compute_logits", "logits"), \
+            (labelled(runner.fused_decode, "compute_logits", "logits")
+             if getattr(runner, "fused_decode", None) is not None else nullcontext()), \
             labelled(runner, "sampler", "sampling"), \
             labelled(runner, "rejection_sampler", "sampling"):
         import pdserve.engine.models.llama as llama_mod

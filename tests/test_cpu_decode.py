@@ -90,6 +90,31 @@ def test_fused_linear_matches_its_definition(kind, rows, isa):
         assert torch.equal(lin.forward(x[r:r + 1]), y[r:r + 1])
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17, 32])
+def test_amx_tiles_match_the_definition_and_the_avx512_tiles(rows, monkeypatch):
+    """Where the CPU has AMX, bf16 weights with K % 32 == 0 multiply in AMX tiles (weight
+    rows in blocks of 32, the 16 left over in AVX512-BF16 tiles): the definition within a
+    bf16 step, each token's row bit for bit the one-row call, and the AVX512-BF16 tiles'
+    result (``PDSERVE_CPU_AMX=0``) within one bf16 step of it."""
+    if "amx" not in ISAS:
+        pytest.skip("no AMX on this CPU")
+    mod = cd.cpu_decode_module("amx")
+    assert mod.amx_usable()  # the OS granted the tile state: the AMX tiles run below
+    gen = torch.Generator().manual_seed(rows)
+    k = 160
+    w_a, w_b = torch.randn(48, k, generator=gen) * 0.1, torch.randn(64, k, generator=gen) * 0.1
+    lin = mod.FusedLinear([cd.bf16_segment(w_a), cd.bf16_segment(w_b)], torch.empty(0), k)
+    x = torch.randn(rows, k, generator=gen).bfloat16().float()
+    y = lin.forward(x)
+    ref = (x.double() @ torch.cat([w_a, w_b]).bfloat16().double().t()).float().bfloat16().float()
+    torch.testing.assert_close(y, ref, rtol=2**-7, atol=1e-3)
+    for r in range(rows):
+        assert torch.equal(lin.forward(x[r:r + 1]), y[r:r + 1])
+    monkeypatch.setenv("PDSERVE_CPU_AMX", "0")
+    assert not mod.amx_usable()
+    torch.testing.assert_close(lin.forward(x), y, rtol=2**-7, atol=1e-3)
+
+
 def test_int4_segment_round_trips_codes_and_scales():
     gen = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (16, 64), generator=gen)

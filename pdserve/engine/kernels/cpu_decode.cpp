@@ -16,6 +16,8 @@
 #include <immintrin.h>
 
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <pybind11/functional.h>
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <tuple>
@@ -343,6 +346,178 @@ inline void prefetch_part(const char* next, int64_t bytes, int64_t part, int64_t
     for (int64_t b = part * slice; b < end; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Intel since Sapphire Rapids): tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16
+// one into 16 x 16 fp32 accumulators, 16,384 flops per instruction against vdpbf16ps's
+// 64. Here the weight rows are the left tile as they lie in memory (16 rows of 32 columns,
+// row stride K), the activations the right one, repacked per call into pairs of columns
+// (the VNNI layout tdpbf16ps takes: row p holds columns 2p and 2p + 1 of each activation
+// row): Y^T = W X^T, no weight repacking. Every output sums its column pairs in column
+// order whatever the batch, so a token's result does not depend on the tokens beside it.
+
+// Linux hands out AMX tile state per process on request; false where the kernel or CPU
+// refuses (then the AVX512-BF16 tiles run).
+bool amx_usable() {
+    static const bool ok = [] {
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    const char* env = std::getenv("PDSERVE_CPU_AMX");
+    return ok && !(env && env[0] == '0');
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Tile registers are not renamed: a tile load waits for the multiplies still reading the
+// tile it overwrites. So loads alternate between two sets of tiles (even and odd column
+// steps), and the next step's operands load while this step's multiply.
+// M > 16 (TWO): 16 weight rows a block, accumulators 0 (activation rows 0-15) and 1 (16+);
+// weights in 2 (even) / 3 (odd), activations in 4, 5 (even) / 6, 7 (odd).
+// M <= 16: 32 weight rows a block, accumulators 0 (rows 0-15) and 1 (16-31); weights in
+// 2, 3 (even) / 4, 5 (odd), activations in 6 (even) / 7 (odd).
+template <bool TWO>
+inline void amx_configure(int64_t M) {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16;
+    if (TWO) {
+        const uint16_t a = 64, b = static_cast<uint16_t>((M - 16) * 4);
+        c.colsb[0] = c.colsb[4] = c.colsb[6] = a;
+        c.colsb[1] = c.colsb[5] = c.colsb[7] = b;
+        c.colsb[2] = c.colsb[3] = 64;
+    } else {
+        const uint16_t a = static_cast<uint16_t>(M * 4);
+        c.colsb[0] = c.colsb[1] = c.colsb[6] = c.colsb[7] = a;
+        c.colsb[2] = c.colsb[3] = c.colsb[4] = c.colsb[5] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+// out[j][i] = in[i][j] for a 16 x 16 fp32 block (in: row stride 16; out: row stride ldo),
+// rows j < rows_out only.
+inline void transpose16(const float* in, float* out, int64_t ldo, int64_t rows_out) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(in + 16 * i);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
+        const __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int i = 0; i < 4; ++i) {
+        for (int h = 0; h < 2; ++h) {
+            const int a = 8 * h + i, b = 8 * h + 4 + i;
+            t[a] = _mm512_shuffle_f32x4(r[a], r[b], 0x88);
+            t[b] = _mm512_shuffle_f32x4(r[a], r[b], 0xDD);
+        }
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+    for (int q = 0; q < rows_out; ++q) _mm512_storeu_ps(out + q * ldo, r[q]);  // column q
+}
+
+// Prefetch the 64-byte lines of `rows` weight rows at column step `s` (32 columns).
+inline void prefetch_rows(const uint16_t* w, int64_t K, int64_t rows, int64_t s) {
+    for (int64_t r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + s * 32), _MM_HINT_T0);
+}
+
+constexpr int64_t AMX_AHEAD = 6;  // column steps prefetched ahead
+
+// Weight rows [n0, n1) (a multiple of the block) times activation rows 0 .. M (M <= 32)
+// into Y. Xv: the activations in pairs, [2 blocks][K / 2][16 rows][2]; nmax: rows that
+// exist (prefetches stop there).
+template <bool TWO>
+void amx_rows(const uint16_t* W, int64_t K, const uint16_t* Xv, int64_t M, int64_t n0,
+              int64_t n1, int64_t nmax, float* Y, int64_t ldy) {
+    constexpr int64_t R = TWO ? 16 : 32;  // weight rows a block
+    amx_configure<TWO>(M);
+    alignas(64) float c[2][16][16];
+    const int64_t steps = K / 32, half = (K / 2) * 32;
+    const int64_t lda = K * 2;
+    for (int64_t n = n0; n < n1; n += R) {
+        const uint16_t* w = W + n * K;
+        const bool next = n + 2 * R <= nmax;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t s = 0; s < steps; ++s) {
+            const int64_t p = s + AMX_AHEAD;
+            if (p < steps) prefetch_rows(w, K, R, p);
+            else if (next) prefetch_rows(w + R * K, K, R, p - steps);
+            const uint16_t* xs = Xv + s * 512;
+            if (TWO) {
+                if (s & 1) {
+                    _tile_loadd(3, w + s * 32, lda);
+                    _tile_loadd(6, xs, 64);
+                    _tile_loadd(7, xs + half, 64);
+                    _tile_dpbf16ps(0, 3, 6);
+                    _tile_dpbf16ps(1, 3, 7);
+                } else {
+                    _tile_loadd(2, w + s * 32, lda);
+                    _tile_loadd(4, xs, 64);
+                    _tile_loadd(5, xs + half, 64);
+                    _tile_dpbf16ps(0, 2, 4);
+                    _tile_dpbf16ps(1, 2, 5);
+                }
+            } else {
+                if (s & 1) {
+                    _tile_loadd(4, w + s * 32, lda);
+                    _tile_loadd(5, w + 16 * K + s * 32, lda);
+                    _tile_loadd(7, xs, 64);
+                    _tile_dpbf16ps(0, 4, 7);
+                    _tile_dpbf16ps(1, 5, 7);
+                } else {
+                    _tile_loadd(2, w + s * 32, lda);
+                    _tile_loadd(3, w + 16 * K + s * 32, lda);
+                    _tile_loadd(6, xs, 64);
+                    _tile_dpbf16ps(0, 2, 6);
+                    _tile_dpbf16ps(1, 3, 6);
+                }
+            }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        if (TWO) {  // c[a][i][j]: weight row n + i, activation row 16a + j
+            transpose16(c[0][0], Y + n, ldy, 16);
+            transpose16(c[1][0], Y + 16 * ldy + n, ldy, M - 16);
+        } else {  // c[b][i][j]: weight row n + 16b + i, activation row j
+            transpose16(c[0][0], Y + n, ldy, M);
+            transpose16(c[1][0], Y + n + 16, ldy, M);
+        }
+    }
+}
+
+// Y [M, ldy] (columns 0 .. N32) = X W^T for the first N32 (a multiple of 32) weight rows;
+// K % 32 == 0, M <= 32. Xb: the activations as bf16 [M, K].
+void gemm_amx(const uint16_t* W, int64_t K, int64_t N32, const uint16_t* Xb, int64_t M,
+              float* Y, int64_t ldy) {
+    std::vector<uint16_t> xv(2 * K * 16);
+    for (int64_t m = 0; m < M; ++m) {
+        uint16_t* dst = xv.data() + (m >= 16 ? K * 16 : 0) + (m & 15) * 2;
+        const uint16_t* src = Xb + m * K;
+        for (int64_t p = 0; p < K / 2; ++p) {
+            dst[p * 32] = src[2 * p];
+            dst[p * 32 + 1] = src[2 * p + 1];
+        }
+    }
+    dynamic_for(0, N32 / 32, 2, [&](int64_t begin, int64_t end) {
+        if (M > 16) amx_rows<true>(W, K, xv.data(), M, begin * 32, end * 32, N32, Y, ldy);
+        else amx_rows<false>(W, K, xv.data(), M, begin * 32, end * 32, N32, Y, ldy);
+    });
+}
+#endif
+
+
 // Rows of a weight panel against every activation row, 4 at a time, then the 1-3 left
 // (NR weight rows per tile for each activation row count). Meanwhile the next panel
 // ([next, next + next_bytes)) is prefetched, a slice per group of rows: the tiles read a
@@ -394,8 +569,16 @@ void gemv_bf16(const Segment& g, int64_t K, const float* X, int64_t M, float* Y,
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(&xb[i]),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(X + i)));
         for (; i < M * K; ++i) xb[i] = bf16_bits(bf16_round(X[i]));
+        int64_t n_amx = 0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (K % 32 == 0 && M <= 32 && amx_usable()) {
+            n_amx = g.rows / 32 * 32;
+            if (n_amx) gemm_amx(W, K, n_amx, xb.data(), M, Y, ldy);
+        }
+#endif
+        if (n_amx == g.rows) return;
         const DpTile tile{W, K, xb.data(), X, Y, ldy};
-        dynamic_for(0, g.rows, 4 * panel, [&](int64_t begin, int64_t end) {
+        dynamic_for(n_amx, g.rows, 4 * panel, [&](int64_t begin, int64_t end) {
             bf16_panels<4, 4, 8, 8>(tile, W, K, begin, end, panel, M);
         });
         return;
@@ -588,10 +771,16 @@ void linear(const Linear& L, const float* X, int64_t M, float* Y) {
         else gemv_q8(g, L.K, a, M, Yg, L.N);
         col += g.rows;
     }
-    for (int64_t m = 0; m < M; ++m) {
-        float* y = Y + m * L.N;
-        add_round(y, L.bias.empty() ? nullptr : L.bias.data(), y, L.N);
-    }
+    // the bias and the rounding, split over the threads by columns when there are many
+    // (an LM head's 32 x 49,152 logits took ~0.5 ms on one thread)
+    const float* bias = L.bias.empty() ? nullptr : L.bias.data();
+    const int64_t grain = M * L.N >= (1 << 16) ? std::max<int64_t>(256, (1 << 14) / M) : L.N;
+    at::parallel_for(0, L.N, grain, [&](int64_t c0, int64_t c1) {
+        for (int64_t m = 0; m < M; ++m) {
+            float* y = Y + m * L.N + c0;
+            add_round(y, bias ? bias + c0 : nullptr, y, c1 - c0);
+        }
+    });
 }
 
 Linear make_linear(const std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor>>& segs,
@@ -1245,6 +1434,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::class_<FusedLinear>(m, "FusedLinear", pybind11::module_local())
         .def(pybind11::init<FusedDecoder::Segs, torch::Tensor, int64_t>())
         .def("forward", &FusedLinear::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    m.def("amx_usable", &amx_usable);
+#else
+    m.def("amx_usable", [] { return false; });
+#endif
 #if defined(__AVX512BF16__)
     m.def("prefill_attention", &prefill_attention,  // cpu_prefill_attention.cpp
           pybind11::call_guard<pybind11::gil_scoped_release>());

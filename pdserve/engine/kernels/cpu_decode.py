@@ -28,7 +28,12 @@ head_dim]``, after writing this step's K/V at ``slot_mapping``.
 
 Built once per machine (see :mod:`.cpu_build`); needs AVX2, FMA and F16C. On CPUs with
 AVX512-BF16 (Zen 4, Intel since Cooper Lake) the build's bf16 GEMVs multiply with
-``vdpbf16ps`` instead: the same products, summed in another (fixed) order.
+``vdpbf16ps`` instead: the same products, summed in another (fixed) order. On CPUs with
+AMX (Intel since Sapphire Rapids) the ``amx`` build multiplies bf16 weights (``K % 32 ==
+0``, whole blocks of 32 rows) in AMX tiles, the weights read in place as the left tile:
+a 32-row decode step's GEMMs 56 -> 22 ms and its LM head 13.8 -> 3.9 ms on a 2-core Xeon
+(README, Speed on CPU); ``PDSERVE_CPU_AMX=0`` turns the tiles off (the
+AVX512-BF16 tiles run), for comparison.
 """
 
 from __future__ import annotations
@@ -49,10 +54,14 @@ MAX_FUSED_PREFILL_TOKENS = 1 << 16
 #: Weight segment kinds (the C++ ``Kind``).
 BF16, INT4, INT8 = 0, 1, 2
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"], frozenset({"avx2", "fma", "f16c"})
-#: The builds, best first: ``name -> (compiler flags, CPU flags needed)``. The AVX512-BF16
+#: The builds, best first: ``name -> (compiler flags, CPU flags needed)``. The AMX one is
+#: the AVX512-BF16 one plus AMX tiles for bf16 GEMMs of up to 32 rows; the AVX512-BF16
 #: one multiplies bf16 GEMVs and attention scores with ``vdpbf16ps`` (32 bf16 products
 #: per instruction against AVX2's 8 fp32 FMAs after a conversion).
 BUILDS = {
+    "amx": (_AVX2[0] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
+                        "-mamx-bf16"],
+            _AVX2[1] | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}),
     "avx512_bf16": (_AVX2[0] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
                     _AVX2[1] | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
     "avx2": _AVX2,
