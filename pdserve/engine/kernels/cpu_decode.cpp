@@ -93,6 +93,24 @@ inline __m256 bf16_round8(__m256 v) {
                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
+// dst[i] = bf16(src[i]) (round to nearest even) over n values.
+inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; ++i) dst[i] = bf16_bits(bf16_round(src[i]));
+}
+
+// dst[i] = the fp32 value of bf16 src[i] (exact) over n values.
+inline void from_bf16(const uint16_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+    for (; i < n; ++i) dst[i] = bf16_value(src[i]);
+}
+
 // fn(begin, end) over rows 0 .. M: split across torch's threads for prefill chunks (more
 // than 32 rows), on this thread for decode steps (no parallel region to wake). Every row is
 // computed the same way either way.
@@ -743,15 +761,40 @@ void gemv_q8(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y
 
 // y [M, N] = bf16(x [M, K] @ W^T + bias) for bf16 weights through torch's GEMM: the eager
 // layer's own call (F.linear in bf16), so the same value as the eager model.
-void linear_torch(const Linear& L, const float* X, int64_t M, float* Y) {
-    auto x = torch::from_blob(const_cast<float*>(X), {M, L.K}, torch::kFloat32)
-                 .to(torch::kBFloat16);
-    auto y = torch::from_blob(Y, {M, L.N}, torch::kFloat32);
+// The conversions are this file's own (rows split over the threads, 16 lanes where the
+// build has AVX512): torch's copies between bf16 and fp32 took as long as the GEMMs of a
+// 4,096-token step (AVX2 kernels, one pass per tensor).
+// The bf16 results [M, rows] of x (bf16 [M, K]) times each bf16 segment of L (+ bias).
+std::vector<torch::Tensor> linear_torch_bf16(const Linear& L, const torch::Tensor& x) {
+    std::vector<torch::Tensor> ys;
     int64_t col = 0;
     for (const Segment& g : L.segs) {
         auto b = L.bias_bf16.defined() ? L.bias_bf16.narrow(0, col, g.rows) : torch::Tensor();
-        y.narrow(1, col, g.rows).copy_(at::linear(x, g.w, b));
+        ys.push_back(at::linear(x, g.w, b).contiguous());
         col += g.rows;
+    }
+    return ys;
+}
+
+inline const uint16_t* bf16_data(const torch::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+void linear_torch(const Linear& L, const float* X, int64_t M, float* Y) {
+    auto x = torch::empty({M, L.K}, torch::kBFloat16);
+    uint16_t* xb = const_cast<uint16_t*>(bf16_data(x));
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+        to_bf16(X + r0 * L.K, xb + r0 * L.K, (r1 - r0) * L.K);
+    });
+    int64_t col = 0;
+    const auto ys = linear_torch_bf16(L, x);
+    for (size_t i = 0; i < ys.size(); ++i) {
+        const int64_t n = L.segs[i].rows;
+        const uint16_t* yb = bf16_data(ys[i]);
+        at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+            for (int64_t r = r0; r < r1; ++r) from_bf16(yb + r * n, Y + r * L.N + col, n);
+        });
+        col += n;
     }
 }
 
@@ -1036,11 +1079,72 @@ class FusedDecoder {
             add_round_rows(o.data(), res.data(), res.data(), M, H_);
             rmsnorm(res.data(), ly.post_norm, M, H_, eps_, xn.data());
         });
+        const auto& gus = ly.gate_up.segs;
+        if (M > MAX_GEMV_ROWS && ly.down.segs.size() == 1 &&
+            ((gus.size() == 1 && gus[0].rows == 2 * I_) ||
+             (gus.size() == 2 && gus[0].rows == I_ && gus[1].rows == I_)))
+            return mlp_bf16(ly, xn.data(), M, h.data());
         std::vector<float>& gu = sized(buf_.gu, M * 2 * I_);
         std::vector<float>& act = sized(buf_.act, M * I_);
         timed(GEMM, [&] { linear(ly.gate_up, xn.data(), M, gu.data()); });
         timed(NORM_ACT, [&] { silu_mul(gu.data(), M, act.data()); });
         timed(GEMM, [&] { linear(ly.down, act.data(), M, h.data()); });
+    }
+
+    // The MLP of a step of more than 32 rows (bf16 weights: torch's GEMMs) with its
+    // intermediates in bf16, as torch returns them: a 4,096-row step's gate/up output
+    // (48 MB as fp32) was written, converted and read back in fp32 for each layer.
+    // h [M, H] = down(bf16(bf16(silu(gate)) * up)), the values of the fp32 path.
+    void mlp_bf16(const Layer& ly, const float* xn, int64_t M, float* h) {
+        auto act = torch::empty({M, I_}, torch::kBFloat16);
+        timed(GEMM, [&] {
+            auto x = torch::empty({M, H_}, torch::kBFloat16);
+            uint16_t* xb = const_cast<uint16_t*>(bf16_data(x));
+            at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+                to_bf16(xn + r0 * H_, xb + r0 * H_, (r1 - r0) * H_);
+            });
+            gu_ = linear_torch_bf16(ly.gate_up, x);
+        });
+        timed(NORM_ACT, [&] {
+            // gate columns [0, I) and up [I, 2I): one segment of 2I rows or two of I
+            const bool one = gu_.size() == 1;
+            const uint16_t* gate = bf16_data(gu_[0]);
+            const uint16_t* up = one ? gate + I_ : bf16_data(gu_[1]);
+            const int64_t ld = one ? 2 * I_ : I_;
+            uint16_t* a = const_cast<uint16_t*>(bf16_data(act));
+            at::parallel_for(0, M, 16, [&](int64_t t0, int64_t t1) {
+                for (int64_t t = t0; t < t1; ++t)
+                    silu_mul_row(gate + t * ld, up + t * ld, a + t * I_);
+            });
+            gu_.clear();
+        });
+        timed(GEMM, [&] {
+            const auto y = linear_torch_bf16(ly.down, act);
+            const uint16_t* yb = bf16_data(y[0]);
+            at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+                from_bf16(yb + r0 * H_, h + r0 * H_, (r1 - r0) * H_);
+            });
+        });
+    }
+
+    // a [I] = bf16(bf16(silu(gate)) * up) over one row of bf16 values, silu_mul's arithmetic.
+    void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* a) const {
+        int64_t i = 0;
+        for (; i + 8 <= I_; i += 8) {
+            const __m256 x = load_bf16x8(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            const __m256 s = bf16_round8(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+            const __m256i r = _mm256_srli_epi32(
+                _mm256_castps_si256(bf16_round8(_mm256_mul_ps(s, load_bf16x8(u + i)))), 16);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(a + i),
+                             _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                              _mm256_extracti128_si256(r, 1)));
+        }
+        for (; i < I_; ++i) {
+            const float x = bf16_value(g[i]);
+            const float sv = bf16_round(x / (1.f + std::exp(-x)));
+            a[i] = bf16_bits(bf16_round(sv * bf16_value(u[i])));
+        }
     }
 
     // act [M, I] = bf16(bf16(silu(gate)) * up) from gu [M, 2I] (gate | up per row).
@@ -1410,6 +1514,7 @@ class FusedDecoder {
         return v;
     }
     Buffers buf_;
+    std::vector<torch::Tensor> gu_;  // mlp_bf16's gate/up output between its parts
     std::mutex mutex_;
     bool timing_ = false;
     std::array<double, NUM_PARTS> part_ns_{};

@@ -5,9 +5,11 @@ torch's CPU flash-attention kernel ran a 1,500-token bf16 prefill of SmolLM2 (9 
 all of the step's GEMMs; this kernel computes scores and the probability-weighted values
 with AVX512-BF16 dot products over key blocks packed for them, and keeps each block's
 scores in registers and L1 (FlashAttention's online softmax, Dao et al. 2022). It runs
-where the CPU has AVX512-BF16 and no AMX (torch's kernel multiplies with AMX tiles there;
-not measured against this one), or where ``PDSERVE_PREFILL_ATTENTION=cpu`` asks for it;
-``PDSERVE_PREFILL_ATTENTION=torch`` turns it off.
+where the CPU has AVX512-BF16 and no AMX, or where ``PDSERVE_PREFILL_ATTENTION=cpu`` asks
+for it; ``PDSERVE_PREFILL_ATTENTION=torch`` turns it off. Where the CPU has AMX, torch's
+kernel multiplies in AMX tiles and is 2-3x faster than this one (2-core Xeon, SmolLM2's
+heads, one layer: 1,500 tokens 5.4 against 14.1 ms, 3,000 tokens 18.0 against 55.3 ms), so
+there the eager path and the fused kernel's prefill chunks both take torch's.
 """
 
 from __future__ import annotations
