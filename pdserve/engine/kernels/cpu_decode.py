@@ -54,16 +54,17 @@ MAX_FUSED_PREFILL_TOKENS = 1 << 16
 #: Weight segment kinds (the C++ ``Kind``).
 BF16, INT4, INT8 = 0, 1, 2
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"], frozenset({"avx2", "fma", "f16c"})
+#: AVX512 with bf16 dot products (vdpbf16ps) and VNNI (vpdpbusd: the int4 GEMV's products).
+_AVX512 = (_AVX2[0] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                       "-mavx512vnni"],
+           _AVX2[1] | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"})
 #: The builds, best first: ``name -> (compiler flags, CPU flags needed)``. The AMX one is
 #: the AVX512-BF16 one plus AMX tiles for bf16 GEMMs of up to 32 rows; the AVX512-BF16
 #: one multiplies bf16 GEMVs and attention scores with ``vdpbf16ps`` (32 bf16 products
 #: per instruction against AVX2's 8 fp32 FMAs after a conversion).
 BUILDS = {
-    "amx": (_AVX2[0] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
-                        "-mamx-bf16"],
-            _AVX2[1] | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}),
-    "avx512_bf16": (_AVX2[0] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-                    _AVX2[1] | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+    "amx": (_AVX512[0] + ["-mamx-tile", "-mamx-bf16"], _AVX512[1] | {"amx_tile", "amx_bf16"}),
+    "avx512_bf16": _AVX512,
     "avx2": _AVX2,
 }
 #: Columns per int4 scale block and per activation quantization block.
