@@ -116,6 +116,19 @@ def test_amx_tiles_match_the_definition_and_the_avx512_tiles(rows, monkeypatch):
     torch.testing.assert_close(lin.forward(x), y, rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.parametrize("k", [96, 608])  # 3 and 19 blocks: pairs and a tail block
+def test_int4_rows_are_bit_for_bit_the_same_in_every_build(k):
+    """The AVX512 builds' int4 GEMV (two blocks per vpdpbusd) sums the same integers into
+    the same fp32 lanes as the AVX2 one (maddubs + madd): equal outputs, bit for bit."""
+    gen = torch.Generator().manual_seed(k)
+    seg, _, _ = _segment("int4", 40, k, gen)
+    x = torch.randn(32, k, generator=gen).bfloat16().float()
+    outs = {isa: cd.cpu_decode_module(isa).FusedLinear([seg], torch.empty(0), k).forward(x)
+            for isa in ISAS}
+    for isa in ISAS:
+        assert torch.equal(outs[isa], outs["avx2"]), isa
+
+
 def test_int4_segment_round_trips_codes_and_scales():
     gen = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (16, 64), generator=gen)
