@@ -107,6 +107,11 @@ inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 // dst[i] = the fp32 value of bf16 src[i] (exact) over n values.
 inline void from_bf16(const uint16_t* src, float* dst, int64_t n) {
     int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
+#endif
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
     for (; i < n; ++i) dst[i] = bf16_value(src[i]);
 }
@@ -473,6 +478,8 @@ void amx_rows(const uint16_t* W, int64_t K, const uint16_t* Xv, int64_t M, int64
             if (p < steps) prefetch_rows(w, K, R, p);
             else if (next) prefetch_rows(w + R * K, K, R, p - steps);
             const uint16_t* xs = Xv + s * 512;
+            // the two tile sets spelled out: GCC's tile intrinsics paste the tile number
+            // into the instruction text, so it must be a literal (not a template argument)
             if (TWO) {
                 if (s & 1) {
                     _tile_loadd(3, w + s * 32, lda);
@@ -582,11 +589,7 @@ void gemv_bf16(const Segment& g, int64_t K, const float* X, int64_t M, float* Y,
 #if defined(__AVX512BF16__)
     if (bf16_x) {
         std::vector<uint16_t> xb(M * K);  // exact: the values are bf16 ones
-        int64_t i = 0;
-        for (; i + 16 <= M * K; i += 16)  // round to nearest even, as bf16_round
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(&xb[i]),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(X + i)));
-        for (; i < M * K; ++i) xb[i] = bf16_bits(bf16_round(X[i]));
+        to_bf16(X, xb.data(), M * K);
         int64_t n_amx = 0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (K % 32 == 0 && M <= 32 && amx_usable()) {
@@ -835,21 +838,31 @@ inline const uint16_t* bf16_data(const torch::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-void linear_torch(const Linear& L, const float* X, int64_t M, float* Y) {
-    auto x = torch::empty({M, L.K}, torch::kBFloat16);
+// X [M, K] fp32 holding bf16 values as a bf16 tensor (rows split over the threads).
+torch::Tensor bf16_rows(const float* X, int64_t M, int64_t K) {
+    auto x = torch::empty({M, K}, torch::kBFloat16);
     uint16_t* xb = const_cast<uint16_t*>(bf16_data(x));
     at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-        to_bf16(X + r0 * L.K, xb + r0 * L.K, (r1 - r0) * L.K);
+        to_bf16(X + r0 * K, xb + r0 * K, (r1 - r0) * K);
     });
+    return x;
+}
+
+// Y [M, ldy] columns col .. col + N = y, a bf16 [M, N] tensor (rows split over the threads).
+void rows_from_bf16(const torch::Tensor& y, int64_t M, int64_t N, float* Y, int64_t ldy,
+                    int64_t col) {
+    const uint16_t* yb = bf16_data(y);
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) from_bf16(yb + r * N, Y + r * ldy + col, N);
+    });
+}
+
+void linear_torch(const Linear& L, const float* X, int64_t M, float* Y) {
+    const auto ys = linear_torch_bf16(L, bf16_rows(X, M, L.K));
     int64_t col = 0;
-    const auto ys = linear_torch_bf16(L, x);
     for (size_t i = 0; i < ys.size(); ++i) {
-        const int64_t n = L.segs[i].rows;
-        const uint16_t* yb = bf16_data(ys[i]);
-        at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-            for (int64_t r = r0; r < r1; ++r) from_bf16(yb + r * n, Y + r * L.N + col, n);
-        });
-        col += n;
+        rows_from_bf16(ys[i], M, L.segs[i].rows, Y, L.N, col);
+        col += L.segs[i].rows;
     }
 }
 
@@ -1152,14 +1165,7 @@ class FusedDecoder {
     // h [M, H] = down(bf16(bf16(silu(gate)) * up)), the values of the fp32 path.
     void mlp_bf16(const Layer& ly, const float* xn, int64_t M, float* h) {
         auto act = torch::empty({M, I_}, torch::kBFloat16);
-        timed(GEMM, [&] {
-            auto x = torch::empty({M, H_}, torch::kBFloat16);
-            uint16_t* xb = const_cast<uint16_t*>(bf16_data(x));
-            at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-                to_bf16(xn + r0 * H_, xb + r0 * H_, (r1 - r0) * H_);
-            });
-            gu_ = linear_torch_bf16(ly.gate_up, x);
-        });
+        timed(GEMM, [&] { gu_ = linear_torch_bf16(ly.gate_up, bf16_rows(xn, M, H_)); });
         timed(NORM_ACT, [&] {
             // gate columns [0, I) and up [I, 2I): one segment of 2I rows or two of I
             const bool one = gu_.size() == 1;
@@ -1173,13 +1179,7 @@ class FusedDecoder {
             });
             gu_.clear();
         });
-        timed(GEMM, [&] {
-            const auto y = linear_torch_bf16(ly.down, act);
-            const uint16_t* yb = bf16_data(y[0]);
-            at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-                from_bf16(yb + r0 * H_, h + r0 * H_, (r1 - r0) * H_);
-            });
-        });
+        timed(GEMM, [&] { rows_from_bf16(linear_torch_bf16(ly.down, act)[0], M, H_, h, H_, 0); });
     }
 
     // a [I] = bf16(bf16(silu(gate)) * up) over one row of bf16 values, silu_mul's arithmetic.
@@ -1336,11 +1336,8 @@ class FusedDecoder {
             std::memcpy(&k[j * kv_size], K + src, len * kv_size * sizeof(uint16_t));
             std::memcpy(&v[j * kv_size], V + src, len * kv_size * sizeof(uint16_t));
         }
-        for (int64_t t = 0; t < n; ++t)  // bf16 values held in fp32: exact (q_size % 16 == 0)
-            for (int64_t i = 0; i < q_size; i += 16)
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(&q[t * q_size + i]),
-                                    (__m256i)_mm512_cvtneps_pbh(
-                                        _mm512_loadu_ps(qkv + (t0 + t) * ld + i)));
+        for (int64_t t = 0; t < n; ++t)  // bf16 values held in fp32: exact
+            to_bf16(qkv + (t0 + t) * ld, &q[t * q_size], q_size);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (torch_chunk_attention()) return sdpa_chunk(q.data(), k.data(), v.data(), n, lk,
                                                        out + t0 * q_size);
@@ -1350,10 +1347,7 @@ class FusedDecoder {
                            q_size, kv_size, kv_size, q_size,
                            1.f / std::sqrt(static_cast<float>(D_))};
         pa::causal(q.data(), k.data(), v.data(), o.data(), s);
-        float* dst = out + t0 * q_size;
-        for (int64_t i = 0; i < n * q_size; i += 16)
-            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&o[i]))), 16)));
+        from_bf16(o.data(), out + t0 * q_size, n * q_size);
     }
 #endif
 
