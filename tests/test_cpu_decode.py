@@ -116,6 +116,83 @@ def test_amx_tiles_match_the_definition_and_the_avx512_tiles(rows, monkeypatch):
     torch.testing.assert_close(lin.forward(x), y, rtol=2**-7, atol=1e-3)
 
 
+def _amx_module():
+    """The AMX build where the CPU has AMX and Linux grants the tile state, else skip."""
+    if "amx" not in ISAS:
+        pytest.skip("no AMX on this CPU")
+    mod = cd.cpu_decode_module("amx")
+    if not mod.amx_usable():
+        pytest.skip("the OS did not grant AMX tile state")
+    return mod
+
+
+@pytest.mark.parametrize("n,ctx,heads,kv_heads", [
+    (1, 0, 9, 3), (5, 0, 9, 3), (16, 0, 9, 3), (17, 3, 9, 3), (100, 70, 9, 3), (130, 3, 6, 2),
+    (300, 0, 4, 4), (257, 255, 8, 1), (700, 1300, 9, 3)])
+def test_amx_prefill_attention_matches_the_definition(n, ctx, heads, kv_heads):
+    """The AMX prefill attention kernel (cpu_amx_attention.cpp): causal attention of n
+    queries after ctx cached keys, within bf16 rounding of a double-precision softmax, for
+    query tails (not a multiple of 16), key tails (not a multiple of 32), superblocks of 256
+    keys with and without the diagonal, grouped and plain heads, strided queries."""
+    mod = _amx_module()
+    gen = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(n, heads + 1, 64, generator=gen).bfloat16()[:, :heads]  # strided
+    k = torch.randn(ctx + n, kv_heads, 64, generator=gen).bfloat16()
+    v = torch.randn(ctx + n, kv_heads, 64, generator=gen).bfloat16()
+    out = mod.amx_prefill_attention(q, k, v, ctx, 0.125)
+    group = heads // kv_heads
+    kr, vr = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kr) * 0.125
+    mask = torch.arange(ctx + n)[None, :] > (ctx + torch.arange(n))[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(mask, -torch.inf).softmax(-1), vr)
+    assert out.dtype == torch.bfloat16 and out.shape == (n, heads, 64)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
+    with pytest.raises(RuntimeError, match="context then the chunk"):
+        mod.amx_prefill_attention(q, k, v, ctx + 1, 0.125)
+
+
+def test_fused_prefill_chunks_in_amx_tiles_match_the_eager_model(tmp_path, monkeypatch):
+    """A random-weight Llama with head_dim 64 on an AMX CPU: a fused step of two decodes, a
+    40-token chunk after 300 cached positions, a 100-token prompt and a 16-token one (its
+    prefill runs in one call of the AMX kernel) gives the eager bf16 model's hidden states
+    and K/V within bf16 rounding, as the same step with torch's flash attention does."""
+    import transformers
+
+    _amx_module()
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=0.08, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(
+        tmp_path, safe_serialization=True)
+    llm = LLM(str(tmp_path), dtype="bfloat16", load_progress=False, block_size=16,
+              num_kv_blocks=64, max_model_len=512)
+    runner = llm.engine.runner
+    fused = runner.fused_decode
+    gen = torch.Generator().manual_seed(0)
+    runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).bfloat16())
+    tables = [list(range(0, 22)), [30, 31], list(range(40, 47)), [50, 51, 52], [60]]
+    query_lens, seq_lens = [40, 1, 100, 1, 16], [340, 20, 100, 40, 16]
+    ids, pos, slots = _step_inputs(runner, query_lens, seq_lens, tables, gen)
+    before = runner.kv_cache.clone()
+    outputs = {}
+    for choice in ("", "torch"):  # "": the AMX kernel
+        monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", choice)
+        runner.kv_cache.copy_(before)
+        outputs[choice] = fused.run(ids, pos, slots, query_lens, tables), runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    meta = runner.backend.build_metadata(AttentionInputs(
+        slot_mapping=slots, query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
+        num_decodes=0, block_size=16))
+    with torch.no_grad():
+        ref = runner.model(ids, pos, runner.kv_caches, meta)
+    for hidden, kv in outputs.values():
+        torch.testing.assert_close(hidden.float(), ref.float(), rtol=2e-2, atol=6e-2)
+        torch.testing.assert_close(kv.float(), runner.kv_cache.float(), rtol=2e-2, atol=4e-2)
+
+
 @pytest.mark.parametrize("k", [96, 608])  # 3 and 19 blocks: pairs and a tail block
 def test_int4_rows_are_bit_for_bit_the_same_in_every_build(k):
     """The AVX512 builds' int4 GEMV (two blocks per vpdpbusd) sums the same integers into

@@ -540,6 +540,32 @@ void gemm_amx(const uint16_t* W, int64_t K, int64_t N32, const uint16_t* Xb, int
         else amx_rows<false>(W, K, xv.data(), M, begin * 32, end * 32, N32, Y, ldy);
     });
 }
+
+// Prefill attention in AMX tiles (cpu_amx_attention.cpp, later in this translation unit).
+// One chunk: n queries q [n, ldq] bf16 (head h at column h * 64) after lk - n context
+// positions; keys k [lkp, Hkv * 64] bf16 (rows lk .. lkp zero, lkp = lk rounded up to 32);
+// values transposed per block of 32 keys, vt [Hkv][lkp / 32][64][32] bf16 (keys lk .. lkp
+// zero); out [n, ldo] fp32 (bf16 values).
+struct FlashChunk {
+    const uint16_t* q;
+    int64_t ldq;
+    const uint16_t* k;
+    const uint16_t* vt;
+    int64_t n, lk, lkp;
+    float* out;
+    int64_t ldo;
+};
+// Every chunk's causal attention (query i of a chunk sees keys 0 .. lk - n + i), head_dim
+// 64, on torch's threads.
+void flash_amx(const std::vector<FlashChunk>& chunks, int64_t Hq, int64_t Hkv, float scale);
+// Key blocks [b0, b1) (32 keys each) of one chunk in FlashChunk's layout: k [lkp, kv_size]
+// and vt from the rows of keys 0 .. lk (krows[j], vrows[j]: kv_size bf16 each), zeros after.
+void pack_kv(const uint16_t* const* krows, const uint16_t* const* vrows, int64_t lk,
+             int64_t lkp, int64_t kv_size, int64_t b0, int64_t b1, uint16_t* k, uint16_t* vt);
+// Python's view of flash_amx over one chunk: q [n, H, 64], k/v [num_context + n, Hkv, 64]
+// bf16 -> [n, H, 64] bf16.
+torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                    int64_t num_context, double scale);
 #endif
 
 
@@ -1257,15 +1283,16 @@ class FusedDecoder {
     void store_kv(const float* qkv, int64_t M, int64_t ld, int64_t l, const Step& st) const {
         uint16_t *K = cache(st, l, 0), *V = cache(st, l, 1);
         const int64_t kv_size = Hkv_ * D_, q_size = Hq_ * D_;
-        for (int64_t t = 0; t < M; ++t) {
-            const int64_t slot = st.slots[t];
-            TORCH_CHECK(slot >= 0 && slot < st.num_blocks * st.block_size, "slot out of range");
-            const float* k = qkv + t * ld + q_size;
-            for (int64_t i = 0; i < kv_size; ++i) {
-                K[slot * kv_size + i] = bf16_bits(k[i]);
-                V[slot * kv_size + i] = bf16_bits(k[kv_size + i]);
+        for (int64_t t = 0; t < M; ++t)
+            TORCH_CHECK(st.slots[t] >= 0 && st.slots[t] < st.num_blocks * st.block_size,
+                        "slot out of range");
+        parallel_rows(M, [&](int64_t t0, int64_t t1) {  // bf16 values held in fp32: exact
+            for (int64_t t = t0; t < t1; ++t) {
+                const float* k = qkv + t * ld + q_size;
+                to_bf16(k, K + st.slots[t] * kv_size, kv_size);
+                to_bf16(k + kv_size, V + st.slots[t] * kv_size, kv_size);
             }
-        }
+        });
     }
 
     // out [M, Hq * D]: softmax(q k^T * scale) v over each token's context (positions 0 ..
@@ -1277,6 +1304,12 @@ class FusedDecoder {
                    float* out) {
 #if defined(__AVX512BF16__)
         if (M >= FLASH_MIN_QUERIES && D_ >= 32) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            const bool amx = D_ == 64 && amx_chunk_attention();
+#else
+            const bool amx = false;
+#endif
+            std::vector<std::pair<int64_t, int64_t>> runs;  // the AMX kernel's, all at once
             int64_t pending = 0;  // tokens [pending, t0) go token by token
             for (int64_t t0 = 0; t0 < M;) {
                 int64_t t1 = t0 + 1;
@@ -1284,12 +1317,16 @@ class FusedDecoder {
                     ++t1;
                 if (t1 - t0 >= FLASH_MIN_QUERIES) {
                     if (pending < t0) token_attention(qkv, pending, t0, ld, l, st, out);
-                    chunk_attention(qkv, t0, t1, ld, l, st, out);
+                    if (amx) runs.emplace_back(t0, t1);
+                    else chunk_attention(qkv, t0, t1, ld, l, st, out);
                     pending = t1;
                 }
                 t0 = t1;
             }
             if (pending < M) token_attention(qkv, pending, M, ld, l, st, out);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            if (!runs.empty()) amx_attention(qkv, runs, ld, l, st, out);
+#endif
             return;
         }
 #endif
@@ -1352,12 +1389,76 @@ class FusedDecoder {
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    // Where the CPU has AMX, torch's flash attention multiplies in AMX tiles: 2-3x this
-    // build's prefill kernel on a 2-core Xeon (1,500 tokens: 5.4 against 14.1 ms a layer),
-    // so a chunk takes it unless PDSERVE_PREFILL_ATTENTION=cpu.
-    static bool torch_chunk_attention() {
+    // Where the CPU has AMX, prefill chunks of head_dim 64 take the AMX kernel
+    // (cpu_amx_attention.cpp: a 2-core Xeon, SmolLM2's heads, one layer: 1,500 tokens 3.8 ms
+    // against torch's flash attention's 6.2 and this build's own 14.1), other head sizes
+    // torch's (AMX tiles too); PDSERVE_PREFILL_ATTENTION=torch or =cpu asks for either.
+    static const char* prefill_attention_choice() {
         const char* env = std::getenv("PDSERVE_PREFILL_ATTENTION");
-        return !(env && std::strcmp(env, "cpu") == 0) && amx_usable();
+        return env ? env : "";
+    }
+    static bool amx_chunk_attention() {
+        const char* c = prefill_attention_choice();
+        return std::strcmp(c, "cpu") != 0 && std::strcmp(c, "torch") != 0 && amx_usable();
+    }
+    static bool torch_chunk_attention() {
+        return std::strcmp(prefill_attention_choice(), "cpu") != 0 && amx_usable();
+    }
+
+    // attention() of the runs [t0, t1) of consecutive queries (each one request's prefill
+    // chunk) in one call of the AMX kernel: their K/V gathered from the paged cache in its
+    // layout, queries rounded to bf16 (exact: bf16 values held in fp32).
+    void amx_attention(const float* qkv, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                       int64_t ld, int64_t l, const Step& st, float* out) {
+        const int64_t q_size = Hq_ * D_, kv_size = Hkv_ * D_;
+        const int64_t R = static_cast<int64_t>(runs.size());
+        std::vector<int64_t> kofs(R + 1, 0);  // each run's first padded key
+        std::vector<std::pair<int64_t, int64_t>> blocks;  // (run, key block of 32)
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t lk = st.pos[runs[r].second - 1] + 1, lkp = (lk + 31) / 32 * 32;
+            TORCH_CHECK((lk + st.block_size - 1) / st.block_size <= st.max_blocks,
+                        "context longer than the block table");
+            kofs[r + 1] = kofs[r] + lkp;
+            for (int64_t b = 0; b < lkp / 32; ++b) blocks.emplace_back(r, b);
+        }
+        std::vector<uint16_t>& q = sized(buf_.q16, M_of(runs) * q_size);
+        std::vector<uint16_t>& k = sized(buf_.k16, kofs[R] * kv_size);
+        std::vector<uint16_t>& vt = sized(buf_.v16, kofs[R] * kv_size);
+        std::vector<const uint16_t*> krows(kofs[R]), vrows(kofs[R]);
+        const uint16_t *K = cache(st, l, 0), *V = cache(st, l, 1);
+        std::vector<FlashChunk> chunks;
+        int64_t qofs = 0;
+        for (int64_t r = 0; r < R; ++r) {
+            const auto [t0, t1] = runs[r];
+            const int64_t lk = st.pos[t1 - 1] + 1;
+            const int64_t* bt = st.tables + st.rows[t0] * st.max_blocks;
+            for (int64_t j = 0; j < lk; ++j) {
+                const int64_t slot = bt[j / st.block_size] * st.block_size + j % st.block_size;
+                krows[kofs[r] + j] = K + slot * kv_size;
+                vrows[kofs[r] + j] = V + slot * kv_size;
+            }
+            chunks.push_back({q.data() + qofs * q_size, q_size, k.data() + kofs[r] * kv_size,
+                              vt.data() + kofs[r] * kv_size, t1 - t0, lk, kofs[r + 1] - kofs[r],
+                              out + t0 * q_size, q_size});
+            qofs += t1 - t0;
+        }
+        at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; ++i) {
+                const auto [r, b] = blocks[i];
+                const FlashChunk& c = chunks[r];
+                pack_kv(&krows[kofs[r]], &vrows[kofs[r]], c.lk, c.lkp, kv_size, b, b + 1,
+                        const_cast<uint16_t*>(c.k), const_cast<uint16_t*>(c.vt));
+                for (int64_t t = b * 32; t < std::min(c.n, (b + 1) * 32); ++t)  // its queries
+                    to_bf16(qkv + (runs[r].first + t) * ld,
+                            const_cast<uint16_t*>(c.q) + t * q_size, q_size);
+            }
+        });
+        flash_amx(chunks, Hq_, Hkv_, 1.f / std::sqrt(static_cast<float>(D_)));
+    }
+    static int64_t M_of(const std::vector<std::pair<int64_t, int64_t>>& runs) {
+        int64_t m = 0;
+        for (const auto& r : runs) m += r.second - r.first;
+        return m;
     }
 
     // chunk_attention() through scaled_dot_product_attention: q [n, Hq, D], k/v [lk, Hkv, D]
@@ -1625,6 +1726,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("forward", &FusedLinear::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     m.def("amx_usable", &amx_usable);
+    m.def("amx_prefill_attention", &amx_prefill_attention,
+          pybind11::call_guard<pybind11::gil_scoped_release>());
 #else
     m.def("amx_usable", [] { return false; });
 #endif

@@ -9,7 +9,8 @@ where the CPU has AVX512-BF16 and no AMX, or where ``PDSERVE_PREFILL_ATTENTION=c
 for it; ``PDSERVE_PREFILL_ATTENTION=torch`` turns it off. Where the CPU has AMX, torch's
 kernel multiplies in AMX tiles and is 2-3x faster than this one (2-core Xeon, SmolLM2's
 heads, one layer: 1,500 tokens 5.4 against 14.1 ms, 3,000 tokens 18.0 against 55.3 ms), so
-there the eager path and the fused kernel's prefill chunks both take torch's.
+there the eager path takes torch's, and the fused kernel's prefill chunks take the AMX kernel
+(``cpu_amx_attention.cpp``, head_dim 64: 1,500 tokens 3.8 ms a layer) or torch's.
 """
 
 from __future__ import annotations
