@@ -24,11 +24,6 @@ namespace {
 
 constexpr int64_t FLASH_SB = 256;  // keys per superblock (a multiple of 32)
 
-inline __m512 bf16_round16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
 // 2^x for 16 lanes of finite x: 2^f (f = x - round(x), |f| <= 1/2) by its degree-5 Taylor
 // polynomial in f ln 2 (relative error < 2e-6: the probabilities are rounded to bf16,
 // 4e-3), scaled by 2^round(x) with vscalefps (0 below fp32's range).

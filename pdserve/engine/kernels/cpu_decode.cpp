@@ -93,6 +93,41 @@ inline __m256 bf16_round8(__m256 v) {
                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
+#if defined(__AVX512BF16__)
+// ---------------------------------------------------------------- elementwise, 16 lanes
+// The 8-lane functions' arithmetic over 16 lanes, lane for lane the same values.
+
+// bf16_round8 of 16 lanes (vcvtneps2bf16: round to nearest even).
+inline __m512 bf16_round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// exp8 over 16 lanes (its clamps, split of ln 2 and polynomial).
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
 // dst[i] = bf16(src[i]) (round to nearest even) over n values.
 inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
     int64_t i = 0;
@@ -147,6 +182,13 @@ inline void dynamic_for(int64_t begin, int64_t end, int64_t chunk, const Fn& fn)
 // y[i] = bf16(a[i] + b[i]) (b may be null: y = bf16(a)); y may alias a or b.
 inline void add_round(const float* a, const float* b, float* y, int64_t n) {
     int64_t i = 0;
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(a + i);
+        if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + i));
+        _mm512_storeu_ps(y + i, bf16_round16(v));
+    }
+#endif
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_loadu_ps(a + i);
         if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + i));
@@ -181,6 +223,7 @@ inline __m256 exp8(__m256 x) {
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+
 
 // ---------------------------------------------------------------- activations as int8
 
@@ -977,7 +1020,15 @@ void rmsnorm(const float* x, const std::vector<float>& w, int64_t rows, int64_t 
         for (int64_t j = i; j < H; ++j) ss += xr[j] * xr[j];
         const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
         const __m256 inv8 = _mm256_set1_ps(inv);
-        for (i = 0; i + 8 <= H; i += 8) {
+        i = 0;
+#if defined(__AVX512BF16__)
+        for (const __m512 inv16 = _mm512_set1_ps(inv); i + 16 <= H; i += 16) {
+            const __m512 v = bf16_round16(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv16));
+            const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(&w[i]), v);
+            _mm512_storeu_ps(out + r * H + i, bf16_round16(y));
+        }
+#endif
+        for (; i + 8 <= H; i += 8) {
             const __m256 v = bf16_round8(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv8));
             const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(&w[i]), v);
             _mm256_storeu_ps(out + r * H + i, bf16_round8(y));
@@ -1211,6 +1262,15 @@ class FusedDecoder {
     // a [I] = bf16(bf16(silu(gate)) * up) over one row of bf16 values, silu_mul's arithmetic.
     void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* a) const {
         int64_t i = 0;
+#if defined(__AVX512BF16__)
+        for (; i + 16 <= I_; i += 16) {
+            const __m512 x = load_bf16x16(g + i);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 s = bf16_round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + i),  // exact: a bf16 value
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, load_bf16x16(u + i))));
+        }
+#endif
         for (; i + 8 <= I_; i += 8) {
             const __m256 x = load_bf16x8(g + i);
             const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
@@ -1262,6 +1322,20 @@ class FusedDecoder {
             const float* s = S + pos[t] * D_;
             for (int64_t hd = 0; hd < Hq_ + Hkv_; ++hd) {
                 float* v = qkv + t * ld + hd * D_;
+#if defined(__AVX512BF16__)
+                if (half % 16 == 0) {  // halves of whole 16-lane registers
+                    for (int64_t i = 0; i < D_; i += 16) {
+                        const int64_t j = i < half ? i + half : i - half;
+                        const __m512 a = bf16_round16(_mm512_mul_ps(
+                            _mm512_loadu_ps(v + i), bf16_round16(_mm512_loadu_ps(c + i))));
+                        const __m512 b = bf16_round16(_mm512_mul_ps(
+                            _mm512_loadu_ps(v + j), bf16_round16(_mm512_loadu_ps(s + i))));
+                        _mm512_storeu_ps(tmp.data() + i, bf16_round16(_mm512_add_ps(a, b)));
+                    }
+                    std::memcpy(v, tmp.data(), D_ * sizeof(float));
+                    continue;
+                }
+#endif
                 for (int64_t i = 0; i < D_; i += 8) {  // D % 16 == 0: halves of whole lanes
                     const int64_t j = i < half ? i + half : i - half;  // roll by D / 2
                     const __m256 a = bf16_round8(_mm256_mul_ps(
