@@ -357,6 +357,7 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     if role == "prefill" and worker.core_turns is not None:  # a long chunk lets D step
         worker.core_turns.pause_between_layers(engine.runner.model,
                                                fused=engine.runner.fused_decode)
+        worker.stream_kv_by_layer(False)  # the same cores: the KV goes after the first token
     metrics_server = None
     if args.metrics_port is not None:
         try:

@@ -79,6 +79,16 @@ class PrefillWorker(EngineWorker):
         self.num_kv_transfers_failed = 0
         self.engine.kv_layer_sink = self._on_kv_layer
 
+    def stream_kv_by_layer(self, enabled: bool) -> None:
+        """Push each layer's KV as the forward writes it (True, the default: the transfer of
+        the first layers overlaps the compute of the last ones), or a prompt's whole KV once
+        its first token has gone to the router (False). ``serve`` turns streaming off where
+        this worker takes turns at the cores with the decode worker: nothing idles beside
+        the forward to overlap with, and the sender's and the receiving decode worker's work
+        ran on the forward's cores (a lone ~1,900-token prompt on a 2-core Xeon: TTFT
+        1.03-1.18 s streaming, 0.89-0.95 s with no KV pushed at all)."""
+        self.engine.kv_layer_sink = self._on_kv_layer if enabled else None
+
     def _on_kv_layer(self, request_id: str, layer: int, kv, scales, num_tokens: int) -> None:
         """Engine thread, inside a forward: queue one layer of a finishing prefill (an FP8
         cache's codes go with their scales, as stored)."""
