@@ -354,10 +354,8 @@ def _run_worker(args: argparse.Namespace, make_worker) -> int:
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     worker = make_worker(engine, worker_id, name, keys)
     worker.drain_s, worker.core_turns = args.shutdown_grace_period, CoreTurns.of(args.core_turns)
-    if role == "prefill" and worker.core_turns is not None:  # a long chunk lets D step
-        worker.core_turns.pause_between_layers(engine.runner.model,
-                                               fused=engine.runner.fused_decode)
-        worker.stream_kv_by_layer(False)  # the same cores: the KV goes after the first token
+    if role == "prefill" and worker.core_turns is not None:
+        worker.share_cores_with_decode()
     metrics_server = None
     if args.metrics_port is not None:
         try:

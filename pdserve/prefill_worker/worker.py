@@ -79,6 +79,15 @@ class PrefillWorker(EngineWorker):
         self.num_kv_transfers_failed = 0
         self.engine.kv_layer_sink = self._on_kv_layer
 
+    def share_cores_with_decode(self) -> None:
+        """Set up for taking turns at the cores with a decode worker (:attr:`core_turns`
+        set): a long forward hands the cores over between decoder layers
+        (:meth:`~pdserve.core_turns.CoreTurns.pause_between_layers`), and KV goes after the
+        first token (:meth:`stream_kv_by_layer`)."""
+        runner = self.engine.runner
+        self.core_turns.pause_between_layers(runner.model, fused=runner.fused_decode)
+        self.stream_kv_by_layer(False)
+
     def stream_kv_by_layer(self, enabled: bool) -> None:
         """Push each layer's KV as the forward writes it (True, the default: the transfer of
         the first layers overlaps the compute of the last ones), or a prompt's whole KV once
