@@ -217,11 +217,12 @@ async def _serve_http(state, host: str, port: int, supervisor: WorkerSupervisor 
     restart those that exit while serving."""
     import uvicorn
 
-    from pdserve.server.app import build_app
+    from pdserve.server.app import KEEP_ALIVE_S, build_app
 
     app = build_app(state)
     server = draining_server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                            timeout_graceful_shutdown=5), state, grace_s)
+                                            timeout_graceful_shutdown=5,
+                                            timeout_keep_alive=KEEP_ALIVE_S), state, grace_s)
     task = asyncio.create_task(server.serve(sockets=None if sock is None else [sock]))
     if supervisor is not None and not await _wait_for_workers(
             state, server, task, [w.proc for w in supervisor.workers if w.role != "api"]):

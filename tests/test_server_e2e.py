@@ -244,3 +244,20 @@ def test_colocated_long_prompts_route_local_not_fallback(server, client):
     key = "pdserve:route_decisions_total{route=%s}"
     assert after.get(key % "local", 0) - before.get(key % "local", 0) == 1
     assert after.get(key % "fallback", 0) == before.get(key % "fallback", 0)
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_own_timeouts(server):
+    """The server keeps an idle HTTP connection open longer than clients keep theirs
+    (KEEP_ALIVE_S, 75 s): a connection left idle 6 s (past uvicorn's default 5 s, which
+    raced aiohttp's reuse into "connection reset by peer") serves the next request."""
+    import socket
+    import time
+
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+        for _ in range(2):
+            sock.sendall(request)
+            reply = sock.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:64]
+            time.sleep(6)
