@@ -9,7 +9,8 @@
 // scores against the 16 queries: one 16-lane register, so the softmax's running max and sum
 // are lane-wise maxima and sums down the rows (no reduction across lanes), and the
 // probabilities go into the right tile of O^T = V^T P^T as pairs of rows interleaved. V^T is
-// packed once per chunk ([Hkv * D][keys]). Scores, the running max/sum and O are fp32;
+// packed once per chunk, per block of 32 keys ([Hkv][key block][D][32]: a tile's 16 rows
+// are 1 KB in a row). Scores, the running max/sum and O are fp32;
 // probabilities are rounded to bf16 before they weigh the values (as torch's bf16 flash
 // kernel and cpu_prefill_attention.cpp do); the output is rounded to bf16 once.
 //
