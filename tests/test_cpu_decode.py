@@ -151,6 +151,28 @@ def test_amx_prefill_attention_matches_the_definition(n, ctx, heads, kv_heads):
         mod.amx_prefill_attention(q, k, v, ctx + 1, 0.125)
 
 
+def test_amx_prefill_attention_with_scores_spanning_fp32s_range():
+    """Scores of standard deviation ~30 (attention sinks span that much): probabilities down
+    to 2^-149 relative to the row's maximum, where the kernel's 2^x returns 0 below 2^-125
+    instead of denormals; the output still matches a double-precision softmax, and a row
+    whose only visible key is far below the others still gets weight 1 on it."""
+    mod = _amx_module()
+    gen = torch.Generator().manual_seed(7)
+    n, heads, kv_heads = 300, 9, 3
+    q = (torch.randn(n, heads, 64, generator=gen) * 30).bfloat16()
+    k = torch.randn(n, kv_heads, 64, generator=gen).bfloat16()
+    v = torch.randn(n, kv_heads, 64, generator=gen).bfloat16()
+    out = mod.amx_prefill_attention(q, k, v, 0, 0.125)
+    kr, vr = k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kr) * 0.125
+    assert (scores.amax(-1, keepdim=True) - scores).max() * 1.4427 > 150  # past fp32's range
+    mask = torch.arange(n)[None, :] > torch.arange(n)[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(mask, -torch.inf).softmax(-1), vr)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
+    torch.testing.assert_close(out[0].double(), v[0].double().repeat_interleave(3, 0),
+                               rtol=0, atol=0)
+
+
 def test_fused_prefill_chunks_in_amx_tiles_match_the_eager_model(tmp_path, monkeypatch):
     """A random-weight Llama with head_dim 64 on an AMX CPU: a fused step of two decodes, a
     40-token chunk after 300 cached positions, a 100-token prompt and a 16-token one (its

@@ -25,19 +25,21 @@ namespace {
 
 constexpr int64_t FLASH_SB = 256;  // keys per superblock (a multiple of 32)
 
-// 2^x for 16 lanes of finite x: 2^f (f = x - round(x), |f| <= 1/2) by its degree-5 Taylor
-// polynomial in f ln 2 (relative error < 2e-6: the probabilities are rounded to bf16,
-// 4e-3), scaled by 2^round(x) with vscalefps (0 below fp32's range).
+// 2^x for 16 lanes of finite x: 2^f for f = x - floor(x) in [0, 1) (one vreduceps) by a
+// degree-3 polynomial fitted for relative error (< 7.5e-5; the probabilities are rounded
+// to bf16 next, 2e-3), scaled by 2^floor(x) with vscalefps, which floors x itself; 0 for
+// x < -125. A 2-core Xeon, SmolLM2's 30 layers of a 1,500-token prompt: 94 ms against 104
+// with the degree-5 Taylor polynomial around round(x). Without the cut, x in [-149, -126]
+// gave denormal results, whose arithmetic takes microcode assists: scores of standard
+// deviation 30 (a model's attention sinks span that much) made a layer 30 ms, not 3.5.
 inline __m512 pow2_16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln2^5 / 120
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));  // ln2^4 / 24
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));  // ln2^3 / 6
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));    // ln2^2 / 2
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));    // ln2
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(0.078024514f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.226067171f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.695833564f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999925196f));
+    return _mm512_maskz_scalef_ps(normal, p, x);
 }
 
 // Lanes of a row of S^T (key n) whose queries see key n: queries of the item sit at
