@@ -169,9 +169,16 @@ void flash_item(const FlashChunk& c, int64_t h, int64_t q0, int64_t Hkv, int64_t
     }
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
     for (int64_t d = 0; d < D; ++d)
-        _mm512_store_ps(O[d], bf16_round16(_mm512_mul_ps(_mm512_load_ps(O[d]), inv)));
-    for (int64_t b = 0; b < D / 16; ++b)  // O^T -> out rows
-        transpose16(O[16 * b], c.out + q0 * c.ldo + h * D + 16 * b, c.ldo, nq);
+        _mm512_store_ps(O[d], _mm512_mul_ps(_mm512_load_ps(O[d]), inv));
+    alignas(64) float rows[16][D];  // O^T -> rows of queries -> bf16 out rows
+    for (int64_t b = 0; b < D / 16; ++b) transpose16(O[16 * b], rows[0] + 16 * b, D, 16);
+    for (int64_t i = 0; i < nq; ++i) {
+        uint16_t* dst = c.out + (q0 + i) * c.ldo + h * D;
+        for (int64_t d = 0; d < D; d += 32)
+            _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(
+                                             _mm512_load_ps(rows[i] + d + 16),
+                                             _mm512_load_ps(rows[i] + d)));
+    }
 }
 
 void flash_amx(const std::vector<FlashChunk>& chunks, int64_t Hq, int64_t Hkv, float scale) {
@@ -243,13 +250,13 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Ten
                 reinterpret_cast<uint16_t*>(kp.data_ptr<at::BFloat16>()),
                 reinterpret_cast<uint16_t*>(vt.data_ptr<at::BFloat16>()));
     });
-    auto out = torch::empty({n, Hq * 64}, torch::kFloat32);
+    auto out = torch::empty({n, Hq * 64}, torch::kBFloat16);
     FlashChunk c{reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>()), Hq * 64,
                  reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>()),
                  reinterpret_cast<const uint16_t*>(vt.data_ptr<at::BFloat16>()), n, lk, lkp,
-                 out.data_ptr<float>(), Hq * 64};
+                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), Hq * 64};
     flash_amx({c}, Hq, Hkv, static_cast<float>(scale));
-    return out.to(torch::kBFloat16).view({n, Hq, 64});
+    return out.view({n, Hq, 64});
 }
 
 }  // namespace

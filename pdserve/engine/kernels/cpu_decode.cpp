@@ -579,7 +579,7 @@ struct FlashChunk {
     const uint16_t* k;
     const uint16_t* vt;
     int64_t n, lk, lkp;
-    float* out;
+    uint16_t* out;  // bf16 rows, stride ldo
     int64_t ldo;
 };
 // Every chunk's causal attention (query i of a chunk sees keys 0 .. lk - n + i), head_dim
@@ -910,13 +910,18 @@ void rows_from_bf16(const torch::Tensor& y, int64_t M, int64_t N, float* Y, int6
     });
 }
 
-void linear_torch(const Linear& L, const float* X, int64_t M, float* Y) {
-    const auto ys = linear_torch_bf16(L, bf16_rows(X, M, L.K));
+// Y [M, N] fp32 = xb (bf16 [M, K]) times L's bf16 segments through torch.
+void linear_torch_from_bf16(const Linear& L, const torch::Tensor& xb, int64_t M, float* Y) {
+    const auto ys = linear_torch_bf16(L, xb);
     int64_t col = 0;
     for (size_t i = 0; i < ys.size(); ++i) {
         rows_from_bf16(ys[i], M, L.segs[i].rows, Y, L.N, col);
         col += L.segs[i].rows;
     }
+}
+
+void linear_torch(const Linear& L, const float* X, int64_t M, float* Y) {
+    linear_torch_from_bf16(L, bf16_rows(X, M, L.K), M, Y);
 }
 
 // y [M, N] = bf16(x [M, K] @ W^T + bias): the eager layer's bf16 output.
@@ -1197,12 +1202,21 @@ class FusedDecoder {
             rotate(qkv.data(), M, qkv_n, st.pos);
         });
         std::vector<float>& attn = sized(buf_.attn, M * q_size);
+        // a step of more than 32 rows takes torch's GEMM for the output projection: the
+        // attention's rows go to it in bf16, as the AMX prefill kernel writes them
+        const bool torch_gemm = M > MAX_GEMV_ROWS;
+        torch::Tensor attn16 = torch_gemm ? torch::empty({M, q_size}, torch::kBFloat16)
+                                          : torch::Tensor();
         timed(ATTENTION, [&] {
             store_kv(qkv.data(), M, qkv_n, l, st);
-            attention(qkv.data(), M, qkv_n, l, st, attn.data());
+            attention(qkv.data(), M, qkv_n, l, st, attn.data(),
+                      torch_gemm ? const_cast<uint16_t*>(bf16_data(attn16)) : nullptr);
         });
         std::vector<float>& o = sized(buf_.o, M * H_);
-        timed(GEMM, [&] { linear(ly.o, attn.data(), M, o.data()); });
+        timed(GEMM, [&] {
+            if (torch_gemm) linear_torch_from_bf16(ly.o, attn16, M, o.data());
+            else linear(ly.o, attn.data(), M, o.data());
+        });
         std::vector<float>& xn = sized(buf_.xn, M * H_);
         timed(NORM_ACT, [&] {
             add_round_rows(o.data(), res.data(), res.data(), M, H_);
@@ -1358,8 +1372,9 @@ class FusedDecoder {
     // build has AVX512-BF16, a request's run of FLASH_MIN_QUERIES or more consecutive query
     // tokens (a prefill chunk) takes the blocked prefill kernel (cpu_prefill_attention.cpp)
     // over its gathered context; the rest (decodes, verification rows) go token by token.
+    // With out16 (bf16 [M, Hq * D]) the rows go there instead (out: scratch).
     void attention(const float* qkv, int64_t M, int64_t ld, int64_t l, const Step& st,
-                   float* out) {
+                   float* out, uint16_t* out16) {
 #if defined(__AVX512BF16__)
         if (M >= FLASH_MIN_QUERIES && D_ >= 32) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -1382,13 +1397,33 @@ class FusedDecoder {
                 t0 = t1;
             }
             if (pending < M) token_attention(qkv, pending, M, ld, l, st, out);
+            std::vector<char> amx_row(M, 0);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-            if (!runs.empty()) amx_attention(qkv, runs, ld, l, st, out);
+            if (!runs.empty()) {  // bf16 rows: into out16, or through scratch into out
+                uint16_t* o16 = out16 ? out16 : sized(buf_.attn16, M * Hq_ * D_).data();
+                amx_attention(qkv, runs, ld, l, st, o16);
+                for (const auto& [t0, t1] : runs) {
+                    std::fill(amx_row.begin() + t0, amx_row.begin() + t1, 1);
+                    if (!out16) from_bf16(o16 + t0 * Hq_ * D_, out + t0 * Hq_ * D_, (t1 - t0) * Hq_ * D_);
+                }
+            }
 #endif
+            if (out16) rows_to_bf16(out, M, amx_row, out16);
             return;
         }
 #endif
         token_attention(qkv, 0, M, ld, l, st, out);
+        if (out16) rows_to_bf16(out, M, std::vector<char>(M, 0), out16);
+    }
+
+    // out16 rows t (bf16 [M, Hq * D]) = out's (fp32, bf16 values: exact) where !skip[t].
+    void rows_to_bf16(const float* out, int64_t M, const std::vector<char>& skip,
+                      uint16_t* out16) const {
+        const int64_t q_size = Hq_ * D_;
+        at::parallel_for(0, M, 64, [&](int64_t t0, int64_t t1) {
+            for (int64_t t = t0; t < t1; ++t)
+                if (!skip[t]) to_bf16(out + t * q_size, out16 + t * q_size, q_size);
+        });
     }
 
     // attention() of tokens t0 .. t1 one (token, KV head) at a time.
@@ -1465,9 +1500,10 @@ class FusedDecoder {
 
     // attention() of the runs [t0, t1) of consecutive queries (each one request's prefill
     // chunk) in one call of the AMX kernel: their K/V gathered from the paged cache in its
-    // layout, queries rounded to bf16 (exact: bf16 values held in fp32).
+    // layout, queries rounded to bf16 (exact: bf16 values held in fp32). out: bf16 rows
+    // [M, Hq * D] (the runs' rows written).
     void amx_attention(const float* qkv, const std::vector<std::pair<int64_t, int64_t>>& runs,
-                       int64_t ld, int64_t l, const Step& st, float* out) {
+                       int64_t ld, int64_t l, const Step& st, uint16_t* out) {
         const int64_t q_size = Hq_ * D_, kv_size = Hkv_ * D_;
         const int64_t R = static_cast<int64_t>(runs.size());
         std::vector<int64_t> kofs(R + 1, 0);  // each run's first padded key
@@ -1715,6 +1751,7 @@ class FusedDecoder {
     struct Buffers {
         std::vector<float> h, res, x, qkv, attn, o, xn, gu, act;
         std::vector<uint16_t> q16, k16, v16, o16;  // a prefill chunk's attention (bf16)
+        std::vector<uint16_t> attn16;  // the AMX kernel's rows where attention() returns fp32
     };
     template <typename T>
     static std::vector<T>& sized(std::vector<T>& v, int64_t n) {
