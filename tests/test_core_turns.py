@@ -143,7 +143,7 @@ def test_serve_plan_takes_turns_only_where_every_worker_shares_the_cores():
 
 
 def test_a_prefill_worker_taking_turns_steps_at_most_its_turn_budget():
-    assert prefill_step_tokens(2048, "/tmp/x") == PREFILL_TURN_TOKENS
+    assert prefill_step_tokens(4 * PREFILL_TURN_TOKENS, "/tmp/x") == PREFILL_TURN_TOKENS
     assert prefill_step_tokens(512, "/tmp/x") == 512
     assert prefill_step_tokens(2048, None) == 2048
 
