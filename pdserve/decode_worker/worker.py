@@ -284,6 +284,18 @@ class DecodeWorker(EngineWorker):
         """Engine requests, or requests held for a parked one."""
         return super().has_work() or any(self.held.values())
 
+    def new_prompt_waits(self) -> bool:
+        """While waiting for the cores: take in the messages that came, and say whether a
+        prompt waits for its prefill here (a short prompt routed to this worker), so that
+        a long prefill on the same cores pauses for it (or for the rest of one the last
+        step began) after
+        :data:`~pdserve.core_turns.URGENT_SLICE_S` instead of
+        :data:`~pdserve.core_turns.PAUSE_SLICE_S`."""
+        self._receive_messages(wait=False)
+        sched = self.engine.scheduler
+        return sched.num_waiting > 0 or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
+
     def engine_step(self):
         """One engine step; while a prefill worker on the same cores waits for them (it
         paused a long prefill for this step, see :mod:`pdserve.core_turns`), at most
