@@ -147,21 +147,11 @@ class CoreTurns:
 
     def is_urgent(self) -> bool:
         """Whether a waiting party has a new prompt (it holds ``urgent`` shared)."""
-        try:
-            fcntl.flock(self._urgent, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(self._urgent, fcntl.LOCK_UN)
-        return False
+        return _is_locked(self._urgent)
 
     def is_waited_for(self) -> bool:
         """Whether another party waits for the cores (it holds the gate while it waits)."""
-        try:
-            fcntl.flock(self._gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(self._gate, fcntl.LOCK_UN)
-        return False
+        return _is_locked(self._gate)
 
     def pause_point(self, slice_s: float = PAUSE_SLICE_S,
                     urgent_slice_s: float = URGENT_SLICE_S) -> bool:
@@ -206,6 +196,16 @@ class CoreTurns:
         os.close(self._gate)
         os.close(self._cores)
         os.close(self._urgent)
+
+
+def _is_locked(fd: int) -> bool:
+    """Whether another process holds a lock on ``fd`` (tried without blocking)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def core_turns_argv(plans: list, enabled: bool = True) -> list[str]:
