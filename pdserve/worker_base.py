@@ -354,7 +354,8 @@ class EngineWorker:
                 self._poller.register(sock, zmq.POLLIN)
                 self._polled[sock] = (link, is_monitor)
             self._poller_version = self.links.version
-        timeout_ms = 0 if self.engine.has_unfinished_requests or not wait else int(IDLE_POLL_S * 1000)
+        idle = wait and not self.engine.has_unfinished_requests
+        timeout_ms = int(IDLE_POLL_S * 1000) if idle else 0
         while ready := self._poller.poll(timeout_ms):
             for sock, _ in ready:
                 link, is_monitor = self._polled[sock]

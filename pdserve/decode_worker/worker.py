@@ -286,10 +286,8 @@ class DecodeWorker(EngineWorker):
 
     def new_prompt_waits(self) -> bool:
         """While waiting for the cores: take in the messages that came, and say whether a
-        prompt waits for its prefill here (a short prompt routed to this worker), so that
-        a long prefill on the same cores pauses for it (or for the rest of one the last
-        step began) after
-        :data:`~pdserve.core_turns.URGENT_SLICE_S` instead of
+        prompt here still needs (some of) its prefill, so that a long prefill on the same
+        cores pauses for it after :data:`~pdserve.core_turns.URGENT_SLICE_S` instead of
         :data:`~pdserve.core_turns.PAUSE_SLICE_S`."""
         self._receive_messages(wait=False)
         sched = self.engine.scheduler

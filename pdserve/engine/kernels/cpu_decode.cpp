@@ -572,7 +572,7 @@ void gemm_amx(const uint16_t* W, int64_t K, int64_t N32, const uint16_t* Xb, int
 // One chunk: n queries q [n, ldq] bf16 (head h at column h * 64) after lk - n context
 // positions; keys k [lkp, Hkv * 64] bf16 (rows lk .. lkp zero, lkp = lk rounded up to 32);
 // values transposed per block of 32 keys, vt [Hkv][lkp / 32][64][32] bf16 (keys lk .. lkp
-// zero); out [n, ldo] fp32 (bf16 values).
+// zero); out [n, ldo] bf16.
 struct FlashChunk {
     const uint16_t* q;
     int64_t ldq;
@@ -881,7 +881,8 @@ void gemv_q8(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y
 // threads, oneDNN's own split of M = 768-1,400 rows ran at half speed where N = 576 (a
 // 2-core Xeon with AMX: 1,024 x 1,536 x 576 1.52 us a row, each thread on half the rows
 // 0.89; 1,500 rows 0.77 either way; a 2,117-token prompt in 1,024-token steps, two runs
-// each alternating: GEMMs 340-349 ms, split 321-324), and 1,024-token chunks are what a prefill worker takes its turns in.
+// each alternating: GEMMs 340-349 ms, split 321-324). Steps of that size are a chunked
+// prompt's last chunk, a short prompts' batch, or a decode worker's prefill.
 constexpr int64_t SPLIT_GEMM_ROWS = 1536;
 
 std::vector<torch::Tensor> linear_torch_bf16(const Linear& L, const torch::Tensor& x) {
@@ -1428,7 +1429,8 @@ class FusedDecoder {
                 amx_attention(qkv, runs, ld, l, st, o16);
                 for (const auto& [t0, t1] : runs) {
                     std::fill(amx_row.begin() + t0, amx_row.begin() + t1, 1);
-                    if (!out16) from_bf16(o16 + t0 * Hq_ * D_, out + t0 * Hq_ * D_, (t1 - t0) * Hq_ * D_);
+                    if (!out16)
+                        from_bf16(o16 + t0 * Hq_ * D_, out + t0 * Hq_ * D_, (t1 - t0) * Hq_ * D_);
                 }
             }
 #endif
