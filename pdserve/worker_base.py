@@ -112,9 +112,8 @@ class EngineWorker:
     def poll_extra(self) -> None:
         """Called once per loop iteration (after draining the socket)."""
 
-    #: While waiting for the cores (core turns), a callable that takes in the messages that
-    #: came and says whether a new prompt waits to be prefilled (the holder then pauses
-    #: sooner, :mod:`pdserve.core_turns`); None: wait without checking.
+    #: Called while waiting for the cores (core turns): takes in messages, says whether a new
+    #: prompt waits (the holder pauses sooner, :mod:`pdserve.core_turns`); None: no checks.
     new_prompt_waits = None
 
     def after_step(self, deltas) -> None:
