@@ -128,12 +128,13 @@ def _amx_module():
 
 @pytest.mark.parametrize("n,ctx,heads,kv_heads", [
     (1, 0, 9, 3), (5, 0, 9, 3), (16, 0, 9, 3), (17, 3, 9, 3), (100, 70, 9, 3), (130, 3, 6, 2),
-    (300, 0, 4, 4), (257, 255, 8, 1), (700, 1300, 9, 3)])
+    (300, 0, 4, 4), (257, 255, 8, 1), (700, 1300, 9, 3), (90, 200, 8, 2), (333, 64, 14, 2)])
 def test_amx_prefill_attention_matches_the_definition(n, ctx, heads, kv_heads):
     """The AMX prefill attention kernel (cpu_amx_attention.cpp): causal attention of n
     queries after ctx cached keys, within bf16 rounding of a double-precision softmax, for
     query tails (not a multiple of 16), key tails (not a multiple of 32), superblocks of 256
-    keys with and without the diagonal, grouped and plain heads, strided queries."""
+    keys with and without the diagonal, grouped and plain heads (a KV head's query heads in
+    items of 3, 2 or 1: groups of 3, 4, 7, 8), strided queries."""
     mod = _amx_module()
     gen = torch.Generator().manual_seed(n + ctx)
     q = torch.randn(n, heads + 1, 64, generator=gen).bfloat16()[:, :heads]  # strided
@@ -171,6 +172,30 @@ def test_amx_prefill_attention_with_scores_spanning_fp32s_range():
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
     torch.testing.assert_close(out[0].double(), v[0].double().repeat_interleave(3, 0),
                                rtol=0, atol=0)
+
+
+def test_amx_prefill_attention_when_later_keys_outscore_the_first_block():
+    """Scores that grow along the keys (keys scaled up with their position), so a query's
+    max passes the first block's by far more than the kernel's lazy threshold (2^16) again
+    and again: O and the sums rescaled, the probabilities waiting for the values flushed
+    first; the output still matches a double-precision softmax."""
+    mod = _amx_module()
+    gen = torch.Generator().manual_seed(11)
+    n, heads, kv_heads = 600, 9, 3
+    q = (torch.randn(n, heads, 64, generator=gen) * 2).bfloat16()
+    growth = 0.5 + torch.arange(n, dtype=torch.float32)[:, None, None] / 100
+    k = (torch.randn(n, kv_heads, 64, generator=gen) * growth).bfloat16()
+    v = torch.randn(n, kv_heads, 64, generator=gen).bfloat16()
+    out = mod.amx_prefill_attention(q, k, v, 0, 0.125)
+    kr, vr = k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kr) * 0.125
+    mask = torch.arange(n)[None, :] > torch.arange(n)[:, None]
+    scores = scores.masked_fill(mask, -torch.inf)
+    # rows past the first 64 keys whose max beats the first 64 keys' by over 16 powers of 2
+    jump = (scores[:, 64:, :].amax(-1) - scores[:, 64:, :64].amax(-1)) * 1.4427
+    assert (jump > 16).float().mean() > 0.5
+    ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vr)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
 
 
 def test_fused_prefill_chunks_in_amx_tiles_match_the_eager_model(tmp_path, monkeypatch):
@@ -394,7 +419,7 @@ def test_greedy_speculation_stays_lossless_through_the_fused_kernel(quantization
     assert spec.engine.spec_stats.num_accepted_tokens > 0  # drafts were verified and kept
 
 
-@pytest.mark.parametrize("quantization,bound", [(None, 1.015), ("rtn-int4", 1.02), ("gguf", 1.02)])
+@pytest.mark.parametrize("quantization,bound", [(None, 1.015), ("rtn-int4", 1.03), ("gguf", 1.02)])
 def test_fused_perplexity_matches_the_eager_model(quantization, bound):
     """Held-out perplexity of SmolLM2 scored in chunks of 32 tokens (each chunk one fused
     step) against chunks of 256 (the eager model) stays within ``bound``.
@@ -406,7 +431,12 @@ def test_fused_perplexity_matches_the_eager_model(quantization, bound):
     only for its decode GEMV, as the fused kernel always does (the GGUF's dequantized Q4_1
     values are not bf16 numbers). For int4 the int8 activations (GGML's Q4_1 x Q8_1
     scheme) add about 0.5 %; gguf (the file's Q4_1 blocks as they are, its Q8_0 LM head as
-    per-channel int8) fused 44.53 against eager 44.43 / 44.31."""
+    per-channel int8) fused 44.53 against eager 44.43 / 44.31. rtn-int4's fused figure
+    moves by up to 2 % between numerically equivalent attention kernels (its activations are
+    rounded to int8, so a last-bit difference can flip a code): four 512-token windows of the
+    held text, the AMX prefill kernel before and after its grouped-head rewrite (the same
+    error against a double-precision softmax): 44.90 / 45.28, 59.07 / 59.90, 56.62 / 56.34,
+    43.58 / 44.48; bf16 44.63 / 44.49, 58.48 / 58.64, 56.31 / 56.37, 43.31 / 43.45."""
     from pdserve.offline.perplexity import held_text, perplexity
 
     llm = LLM(None, dtype="bfloat16", load_progress=False, quantization=quantization,

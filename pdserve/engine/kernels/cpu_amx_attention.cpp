@@ -2,28 +2,32 @@
 // FlashAttention (Dao et al. 2022: online softmax over key blocks, nothing of size
 // [queries, keys] written out), for head_dim 64.
 //
-// Work items are (chunk, query head, block of 16 queries). Scores are computed transposed,
-// S^T = K Q^T: the keys, as they lie in the gathered cache rows, are the left tile (16 keys x
-// 32 dimensions, row stride Hkv * D), the item's 16 queries the right one (packed once per
-// item into dimension pairs, the layout tdpbf16ps takes). A row of S^T is then one key's
-// scores against the 16 queries: one 16-lane register, so the softmax's running max and sum
-// are lane-wise maxima and sums down the rows (no reduction across lanes), and the
-// probabilities go into the right tile of O^T = V^T P^T as pairs of rows interleaved. V^T is
-// packed once per chunk, per block of 32 keys ([Hkv][key block][D][32]: a tile's 16 rows
-// are 1 KB in a row). Scores, the running max/sum and O are fp32;
-// probabilities are rounded to bf16 before they weigh the values (as torch's bf16 flash
-// kernel and cpu_prefill_attention.cpp do); the output is rounded to bf16 once.
+// Work items are (chunk, KV head, up to 3 of its query heads, block of 16 queries): each
+// tile of keys or values read from L2 serves the item's query heads (a 2-core Xeon, one
+// head an item: 81 ms for SmolLM2's 30 layers of a 1,500-token prompt, against 67). Scores
+// are computed transposed, S^T = K Q^T: the keys, as they lie in the gathered cache rows,
+// are the left tile (16 keys x 32 dimensions, row stride Hkv * D), a head's 16 queries the
+// right one (packed once per item into dimension pairs, the layout tdpbf16ps takes). A row
+// of S^T is then one key's scores against the 16 queries: one 16-lane register, so the
+// softmax's max and sum are lane-wise maxima and sums down the rows (no reduction across
+// lanes), and the probabilities go into the right tile of O^T = V^T P^T as pairs of rows
+// interleaved. V^T is packed once per chunk, per block of 32 keys ([Hkv][key block][D][32]:
+// a tile's 16 rows are 1 KB in a row). Scores, max, sums and O are fp32; probabilities are
+// rounded to bf16 before they weigh the values (as torch's bf16 flash kernel and
+// cpu_prefill_attention.cpp do), and the sums add the rounded values; the output is
+// rounded to bf16 once.
 //
-// Keys go in superblocks of FLASH_SB: their scores are stored (16 KB), the max taken, the
-// probabilities packed, and O^T accumulated in four tiles over the superblock before one
-// rescale of O (alpha = e^(m_old - m_new)). Compiled in the AMX build after cpu_decode.cpp
-// (one translation unit: cpu_decode.py joins the files), whose helpers it uses and which
-// declares flash_amx for the fused decoder.
+// Scores go FLASH_SUB keys at a time (their tiles stored, the max taken, probabilities
+// packed); the probabilities of up to FLASH_SB keys then weigh the values at once, O^T
+// loaded into the tiles, accumulated, stored. The max moves lazily (see LAZY_LOG2). Compiled
+// in the AMX build after cpu_decode.cpp (one translation unit: cpu_decode.py joins the
+// files), whose helpers it uses and which declares flash_amx for the fused decoder.
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 namespace {
 
-constexpr int64_t FLASH_SB = 256;  // keys per superblock (a multiple of 32)
+constexpr int64_t FLASH_SB = 256;  // keys whose probabilities weigh the values at once
+constexpr int64_t FLASH_SUB = 64;  // keys whose scores are taken at once (divides FLASH_SB)
 
 // 2^x for 16 lanes of finite x: 2^f for f = x - floor(x) in [0, 1) (one vreduceps) by a
 // degree-3 polynomial fitted for relative error (< 7.5e-5; the probabilities are rounded
@@ -52,155 +56,218 @@ inline __mmask16 key_mask(int64_t n, int64_t first, int64_t lk) {
     return static_cast<__mmask16>(0xFFFF << d);
 }
 
-// One item: queries q0 .. q0 + 15 of chunk c (fewer at its end), query head h.
-void flash_item(const FlashChunk& c, int64_t h, int64_t q0, int64_t Hkv, int64_t group,
+
+// Lazy rescaling (as FlashAttention-4 does): the max m a query's probabilities are taken
+// against moves only where a block's scores pass it by more than LAZY_LOG2 powers of 2, so
+// the probabilities stay at most 2^LAZY_LOG2, far inside fp32 and bf16, and O and the sum
+// are rescaled only then (rarely after a prompt's first blocks): O^T accumulates straight
+// through the tiles, and the probabilities waiting for the values first weigh them.
+constexpr float LAZY_LOG2 = 16.f;
+
+// One item: queries q0 .. q0 + 15 of chunk c (fewer at its end) for the NH (<= 3) query
+// heads h0 .. h0 + NH - 1, all of KV head g: each tile of keys and of values is loaded once
+// for the NH heads (the caches are read from L2; the queries and probabilities, reloaded
+// per head, from L1). Tiles: 0 .. NH - 1 the heads' accumulators, 3 .. 3 + NH - 1 their
+// queries (or probabilities), 6 and 7 keys (or values).
+template <int NH>
+void flash_item(const FlashChunk& c, int64_t h0, int64_t q0, int64_t Hkv, int64_t g,
                 float scale) {
     constexpr int64_t D = 64;
-    const int64_t g = h / group, ldk = Hkv * D, ctx = c.lk - c.n;
+    const int64_t ldk = Hkv * D, ctx = c.lk - c.n;
     const int64_t nq = std::min<int64_t>(16, c.n - q0), first = ctx + q0;
     const int64_t kend = std::min(c.lk, first + 16);
     const int64_t kend32 = (kend + 31) / 32 * 32;  // <= lkp: the padding rows are zeros
-    alignas(64) uint16_t qt[2][16][32];             // [dimension half][pair][query, 2]
-    alignas(64) float S[FLASH_SB][16], O[D][16], T[D][16];
-    alignas(64) uint16_t pt[FLASH_SB / 2][32];      // P^T: [key pair][query, 2]
-    __mmask16 mk[FLASH_SB];
-    for (int64_t half = 0; half < 2; ++half) {  // qt[half] = the queries' pairs transposed
-        alignas(64) float rows[16][16];
-        for (int64_t i = 0; i < 16; ++i)
-            std::memcpy(rows[i], c.q + (q0 + std::min(i, nq - 1)) * c.ldq + h * D + 32 * half, 64);
-        transpose16(rows[0], reinterpret_cast<float*>(qt[half][0]), 16, 16);
-    }
+    alignas(64) uint16_t qt[NH][2][16][32];         // [head][dimension half][pair][query, 2]
+    alignas(64) float S[NH][FLASH_SUB][16], O[NH][D][16];
+    alignas(64) uint16_t pt[NH][FLASH_SB / 2][32];  // P^T: [key pair][query, 2]
+    __mmask16 mk[FLASH_SUB];
+    for (int64_t h = 0; h < NH; ++h)
+        for (int64_t half = 0; half < 2; ++half) {  // the queries' pairs transposed
+            alignas(64) float rows[16][16];
+            for (int64_t i = 0; i < 16; ++i)
+                std::memcpy(rows[i],
+                            c.q + (q0 + std::min(i, nq - 1)) * c.ldq + (h0 + h) * D + 32 * half,
+                            64);
+            transpose16(rows[0], reinterpret_cast<float*>(qt[h][half][0]), 16, 16);
+        }
     std::memset(O, 0, sizeof(O));
-    // interleave two rows of 16 bf16 lanes into pairs: [a0 b0 a1 b1 ...]
     alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
                                                    6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
                                                    12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i interleave = _mm512_load_si512(pairs);
     const __m512 sc = _mm512_set1_ps(scale * 1.44269504f);  // scores to powers of 2
-    __m512 m = _mm512_setzero_ps(), l = _mm512_setzero_ps();  // m: raw scores' running max
+    __m512 m[NH], l[NH];  // m: the raw scores' reference max
+    for (int h = 0; h < NH; ++h) l[h] = _mm512_setzero_ps();
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-    for (int64_t kb0 = 0; kb0 < kend32; kb0 += FLASH_SB) {
-        const int64_t nk = std::min(FLASH_SB, kend32 - kb0);
-        // S^T rows kb0 .. kb0 + nk: tiles 0, 1 the queries; 2, 3 / 5, 6 keys; 4 / 7 scores
-        _tile_loadd(0, qt[0], 64);
-        _tile_loadd(1, qt[1], 64);
-        for (int64_t r = 0; r < nk; r += 32) {
-            const uint16_t* k0 = c.k + (kb0 + r) * ldk + g * D;
-            const uint16_t* k1 = k0 + 16 * ldk;
-            _tile_loadd(2, k0, ldk * 2);
-            _tile_loadd(3, k0 + 32, ldk * 2);
-            _tile_zero(4);
-            _tile_dpbf16ps(4, 2, 0);
-            _tile_dpbf16ps(4, 3, 1);
-            _tile_loadd(5, k1, ldk * 2);
-            _tile_loadd(6, k1 + 32, ldk * 2);
-            _tile_zero(7);
-            _tile_dpbf16ps(7, 5, 0);
-            _tile_dpbf16ps(7, 6, 1);
-            _tile_stored(4, S[r], 64);
-            _tile_stored(7, S[r + 16], 64);
-        }
-        // every lane sees every key of the superblock, or masks per key
-        const bool open = kb0 + nk - 1 <= first && kb0 + nk <= c.lk;
-        __m512 mnew = kb0 ? m : _mm512_set1_ps(-INFINITY);
-        if (open) {  // four chains: a max's latency is 4 cycles
-            __m512 m1 = mnew, m2 = mnew, m3 = mnew;
-            for (int64_t r = 0; r < nk; r += 4) {
-                mnew = _mm512_max_ps(mnew, _mm512_load_ps(S[r]));
-                m1 = _mm512_max_ps(m1, _mm512_load_ps(S[r + 1]));
-                m2 = _mm512_max_ps(m2, _mm512_load_ps(S[r + 2]));
-                m3 = _mm512_max_ps(m3, _mm512_load_ps(S[r + 3]));
-            }
-            mnew = _mm512_max_ps(_mm512_max_ps(mnew, m1), _mm512_max_ps(m2, m3));
-        } else {
-            for (int64_t r = 0; r < nk; ++r) {
-                mk[r] = key_mask(kb0 + r, first, c.lk);
-                mnew = _mm512_mask_max_ps(mnew, mk[r], mnew, _mm512_load_ps(S[r]));
-            }
-        }
-        // key 0 is in the first superblock and every query sees it: mnew is finite; O and l
-        // are still zero there
-        const __m512 alpha = kb0 ? pow2_16(_mm512_mul_ps(_mm512_sub_ps(m, mnew), sc))
-                                 : _mm512_setzero_ps();
-        m = mnew;
-        const __m512 msc = _mm512_mul_ps(m, sc);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t r = 0; r < nk; r += 2) {
-            __m512 p0 = pow2_16(_mm512_fmsub_ps(_mm512_load_ps(S[r]), sc, msc));
-            __m512 p1 = pow2_16(_mm512_fmsub_ps(_mm512_load_ps(S[r + 1]), sc, msc));
-            if (!open) {
-                p0 = _mm512_maskz_mov_ps(mk[r], p0);
-                p1 = _mm512_maskz_mov_ps(mk[r + 1], p1);
-            }
-            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0 | p1]
-            _mm512_store_si512(pt[r / 2], _mm512_permutexvar_epi16(interleave, both));
-        }
-        l = _mm512_fmadd_ps(l, alpha, sum);
-        // O^T (4 tiles of 16 dimensions x 16 queries) += V^T P^T over the superblock
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t j = 0; j < nk; j += 32) {  // vt: [Hkv][key block][D][32 keys]
-            const uint16_t* v = c.vt + (g * (c.lkp / 32) + (kb0 + j) / 32) * D * 32;
-            _tile_loadd(4, pt[j / 2], 64);
-            _tile_loadd(5, v, 64);
-            _tile_dpbf16ps(0, 5, 4);
-            _tile_loadd(6, v + 16 * 32, 64);
-            _tile_dpbf16ps(1, 6, 4);
-            _tile_loadd(7, v + 32 * 32, 64);
-            _tile_dpbf16ps(2, 7, 4);
-            _tile_loadd(5, v + 48 * 32, 64);
-            _tile_dpbf16ps(3, 5, 4);
-        }
-        _tile_stored(0, T[0], 64);
-        _tile_stored(1, T[16], 64);
-        _tile_stored(2, T[32], 64);
-        _tile_stored(3, T[48], 64);
-        for (int64_t d = 0; d < D; ++d)
-            _mm512_store_ps(O[d], _mm512_fmadd_ps(_mm512_load_ps(O[d]), alpha,
-                                                  _mm512_load_ps(T[d])));
+#define PD_QK(H, T, HALF, KT)                                  \
+    if constexpr (NH > H) {                                    \
+        _tile_loadd(T, qt[H][HALF], 64);                       \
+        _tile_dpbf16ps(H, KT, T);                              \
     }
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
-    for (int64_t d = 0; d < D; ++d)
-        _mm512_store_ps(O[d], _mm512_mul_ps(_mm512_load_ps(O[d]), inv));
-    alignas(64) float rows[16][D];  // O^T -> rows of queries -> bf16 out rows
-    for (int64_t b = 0; b < D / 16; ++b) transpose16(O[16 * b], rows[0] + 16 * b, D, 16);
-    for (int64_t i = 0; i < nq; ++i) {
-        uint16_t* dst = c.out + (q0 + i) * c.ldo + h * D;
-        for (int64_t d = 0; d < D; d += 32)
-            _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(
-                                             _mm512_load_ps(rows[i] + d + 16),
-                                             _mm512_load_ps(rows[i] + d)));
+    // O^T (16 dimensions at a time, each head) += V^T P^T over keys [j0, j1) (P^T rows
+    // from j0 / 2 on)
+    auto pv = [&](int64_t j0, int64_t j1) {
+        const uint16_t* vb = c.vt + (g * (c.lkp / 32) + j0 / 32) * D * 32;
+        for (int64_t db = 0; db < D / 16; ++db) {
+            _tile_loadd(0, O[0][16 * db], 64);
+            if constexpr (NH > 1) _tile_loadd(1, O[1][16 * db], 64);
+            if constexpr (NH > 2) _tile_loadd(2, O[2][16 * db], 64);
+            for (int64_t j = 0; j < j1 - j0; j += 32) {
+                _tile_loadd(6, vb + (j / 32) * D * 32 + 16 * db * 32, 64);
+#define PD_PV(H, T)                                        \
+    if constexpr (NH > H) {                                \
+        _tile_loadd(T, pt[H][j / 2], 64);                  \
+        _tile_dpbf16ps(H, 6, T);                           \
+    }
+                PD_PV(0, 3) PD_PV(1, 4) PD_PV(2, 5)
+            }
+            _tile_stored(0, O[0][16 * db], 64);
+            if constexpr (NH > 1) _tile_stored(1, O[1][16 * db], 64);
+            if constexpr (NH > 2) _tile_stored(2, O[2][16 * db], 64);
+        }
+    };
+    int64_t pv0 = 0;  // the first key whose probabilities wait in pt (at pt[..][0])
+    for (int64_t kb0 = 0; kb0 < kend32; kb0 += FLASH_SUB) {
+        const int64_t nk = std::min(FLASH_SUB, kend32 - kb0);
+        for (int64_t r = 0; r < nk; r += 16) {  // S^T rows kb0 + r .. + 16, each head
+            const uint16_t* k0 = c.k + (kb0 + r) * ldk + g * D;
+            _tile_loadd(6, k0, ldk * 2);
+            _tile_loadd(7, k0 + 32, ldk * 2);
+            _tile_zero(0);
+            if constexpr (NH > 1) _tile_zero(1);
+            if constexpr (NH > 2) _tile_zero(2);
+            PD_QK(0, 3, 0, 6) PD_QK(1, 4, 0, 6) PD_QK(2, 5, 0, 6)
+            PD_QK(0, 3, 1, 7) PD_QK(1, 4, 1, 7) PD_QK(2, 5, 1, 7)
+            _tile_stored(0, S[0][r], 64);
+            if constexpr (NH > 1) _tile_stored(1, S[1][r], 64);
+            if constexpr (NH > 2) _tile_stored(2, S[2][r], 64);
+        }
+        // every lane sees every key of the block, or masks per key
+        const bool open = kb0 + nk - 1 <= first && kb0 + nk <= c.lk;
+        if (!open)
+            for (int64_t r = 0; r < nk; ++r) mk[r] = key_mask(kb0 + r, first, c.lk);
+        __m512 mnew[NH];
+        __mmask16 up[NH];
+        bool any_up = false;
+        for (int h = 0; h < NH; ++h) {
+            mnew[h] = _mm512_set1_ps(-INFINITY);
+            if (open) {  // four chains: a max's latency is 4 cycles
+                __m512 m1 = mnew[h], m2 = mnew[h], m3 = mnew[h];
+                for (int64_t r = 0; r < nk; r += 4) {
+                    mnew[h] = _mm512_max_ps(mnew[h], _mm512_load_ps(S[h][r]));
+                    m1 = _mm512_max_ps(m1, _mm512_load_ps(S[h][r + 1]));
+                    m2 = _mm512_max_ps(m2, _mm512_load_ps(S[h][r + 2]));
+                    m3 = _mm512_max_ps(m3, _mm512_load_ps(S[h][r + 3]));
+                }
+                mnew[h] = _mm512_max_ps(_mm512_max_ps(mnew[h], m1), _mm512_max_ps(m2, m3));
+            } else {
+                for (int64_t r = 0; r < nk; ++r)
+                    mnew[h] = _mm512_mask_max_ps(mnew[h], mk[r], mnew[h], _mm512_load_ps(S[h][r]));
+            }
+            if (kb0 == 0) {  // key 0 is here and every query sees it: finite
+                m[h] = mnew[h];
+                up[h] = 0;
+            } else {  // lanes past m by more than 2^LAZY_LOG2 move it
+                up[h] = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(mnew[h], m[h]), sc),
+                                           _mm512_set1_ps(LAZY_LOG2), _CMP_GT_OQ);
+                any_up |= up[h] != 0;
+            }
+        }
+        if (any_up) {  // the waiting probabilities weigh the values first, then O and l
+            if (pv0 < kb0) pv(pv0, kb0);  // rescale
+            pv0 = kb0;
+            for (int h = 0; h < NH; ++h) {
+                if (!up[h]) continue;
+                const __m512 alpha = _mm512_mask_blend_ps(
+                    up[h], _mm512_set1_ps(1.f),
+                    pow2_16(_mm512_mul_ps(_mm512_sub_ps(m[h], mnew[h]), sc)));
+                m[h] = _mm512_mask_mov_ps(m[h], up[h], mnew[h]);
+                l[h] = _mm512_mul_ps(l[h], alpha);
+                for (int64_t d = 0; d < D; ++d)
+                    _mm512_store_ps(O[h][d], _mm512_mul_ps(_mm512_load_ps(O[h][d]), alpha));
+            }
+        }
+        const int64_t p0r = (kb0 - pv0) / 2;  // this block's first row in pt
+        for (int h = 0; h < NH; ++h) {
+            const __m512 msc = _mm512_mul_ps(m[h], sc);
+            __m512 sum = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+            for (int64_t r = 0; r < nk; r += 2) {
+                __m512 p0 = pow2_16(_mm512_fmsub_ps(_mm512_load_ps(S[h][r]), sc, msc));
+                __m512 p1 = pow2_16(_mm512_fmsub_ps(_mm512_load_ps(S[h][r + 1]), sc, msc));
+                if (!open) {
+                    p0 = _mm512_maskz_mov_ps(mk[r], p0);
+                    p1 = _mm512_maskz_mov_ps(mk[r + 1], p1);
+                }
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0 | p1]
+                const __m512i pr = _mm512_permutexvar_epi16(interleave, both);
+                _mm512_store_si512(pt[h][p0r + r / 2], pr);
+                // the sums of the rounded probabilities, as they weigh the values: lane q
+                // of pr holds p0's bf16 in its low half, p1's in its high half
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16)));
+                sum1 = _mm512_add_ps(sum1, _mm512_castsi512_ps(
+                                               _mm512_and_si512(pr, _mm512_set1_epi32(-65536))));
+            }
+            l[h] = _mm512_add_ps(l[h], _mm512_add_ps(sum, sum1));
+        }
+        if (kb0 + nk - pv0 >= FLASH_SB || kb0 + nk >= kend32) {
+            pv(pv0, kb0 + nk);
+            pv0 = kb0 + nk;
+        }
+    }
+#undef PD_QK
+#undef PD_PV
+    for (int h = 0; h < NH; ++h) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[h]);
+        for (int64_t d = 0; d < D; ++d)
+            _mm512_store_ps(O[h][d], _mm512_mul_ps(_mm512_load_ps(O[h][d]), inv));
+        alignas(64) float rows[16][D];  // O^T -> rows of queries -> bf16 out rows
+        for (int64_t b = 0; b < D / 16; ++b) transpose16(O[h][16 * b], rows[0] + 16 * b, D, 16);
+        for (int64_t i = 0; i < nq; ++i) {
+            uint16_t* dst = c.out + (q0 + i) * c.ldo + (h0 + h) * D;
+            for (int64_t d = 0; d < D; d += 32)
+                _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(
+                                                 _mm512_load_ps(rows[i] + d + 16),
+                                                 _mm512_load_ps(rows[i] + d)));
+        }
     }
 }
 
 void flash_amx(const std::vector<FlashChunk>& chunks, int64_t Hq, int64_t Hkv, float scale) {
     struct Item {
-        int64_t cost, c, h, q0;
+        int64_t cost, c, g, h0, nh, q0;
     };
+    // a KV head's query heads in groups of at most 3, as even as they go (7: 3, 2, 2)
+    const int64_t group = Hq / Hkv, parts = (group + 2) / 3;
     std::vector<Item> items;
     for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
         const FlashChunk& ch = chunks[c];
         for (int64_t q0 = 0; q0 < ch.n; q0 += 16)
-            for (int64_t h = 0; h < Hq; ++h)
-                items.push_back({std::min(ch.lk, ch.lk - ch.n + q0 + 16), c, h, q0});
+            for (int64_t g = 0; g < Hkv; ++g)
+                for (int64_t p = 0, h = 0; p < parts; ++p) {
+                    const int64_t nh = group / parts + (p < group % parts);
+                    items.push_back({std::min(ch.lk, ch.lk - ch.n + q0 + 16), c, g,
+                                     g * group + h, nh, q0});
+                    h += nh;
+                }
     }
     // one KV head's items after another (a 3,000-token chunk's keys and values are 0.75 MB
     // a KV head: all of them thrashed a core's L2), each head's longest first
-    const int64_t group = Hq / Hkv;
-    std::stable_sort(items.begin(), items.end(), [group](const Item& a, const Item& b) {
-        return a.h / group != b.h / group ? a.h / group < b.h / group : a.cost > b.cost;
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+        return a.g != b.g ? a.g < b.g : a.cost > b.cost;
     });
     dynamic_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i)
-            flash_item(chunks[items[i].c], items[i].h, items[i].q0, Hkv, group, scale);
+        for (int64_t i = begin; i < end; ++i) {
+            const Item& it = items[i];
+            const FlashChunk& ch = chunks[it.c];
+            if (it.nh == 3) flash_item<3>(ch, it.h0, it.q0, Hkv, it.g, scale);
+            else if (it.nh == 2) flash_item<2>(ch, it.h0, it.q0, Hkv, it.g, scale);
+            else flash_item<1>(ch, it.h0, it.q0, Hkv, it.g, scale);
+        }
     });
 }
 
