@@ -31,19 +31,20 @@ constexpr int64_t FLASH_SUB = 64;  // keys whose scores are taken at once (divid
 
 // 2^x for 16 lanes of finite x: 2^f for f = x - floor(x) in [0, 1) (one vreduceps) by a
 // degree-3 polynomial fitted for relative error (< 7.5e-5; the probabilities are rounded
-// to bf16 next, 2e-3), scaled by 2^floor(x) with vscalefps, which floors x itself; 0 for
-// x < -125. A 2-core Xeon, SmolLM2's 30 layers of a 1,500-token prompt: 94 ms against 104
-// with the degree-5 Taylor polynomial around round(x). Without the cut, x in [-149, -126]
-// gave denormal results, whose arithmetic takes microcode assists: scores of standard
-// deviation 30 (a model's attention sinks span that much) made a layer 30 ms, not 3.5.
+// to bf16 next, 2e-3), scaled by 2^floor(x) with vscalefps, which floors x itself. A 2-core
+// Xeon, SmolLM2's 30 layers of a 1,500-token prompt: 94 ms against 104 with the degree-5
+// Taylor polynomial around round(x). Results below 2^-126 must be flushed, not computed:
+// denormal arithmetic takes microcode assists (scores of standard deviation 30, as a model's
+// attention sinks give, made a layer 30 ms, not 3.5), so flash_amx runs its items with
+// MXCSR's flush-to-zero and denormals-are-zero set (one compare and mask fewer than a cut
+// at -125 here).
 inline __m512 pow2_16(__m512 x) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
     const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 p = _mm512_set1_ps(0.078024514f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.226067171f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.695833564f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999925196f));
-    return _mm512_maskz_scalef_ps(normal, p, x);
+    return _mm512_scalef_ps(p, x);
 }
 
 // Lanes of a row of S^T (key n) whose queries see key n: queries of the item sit at
@@ -96,6 +97,7 @@ void flash_item(const FlashChunk& c, int64_t h0, int64_t q0, int64_t Hkv, int64_
                                                    12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i interleave = _mm512_load_si512(pairs);
     const __m512 sc = _mm512_set1_ps(scale * 1.44269504f);  // scores to powers of 2
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0: pair sums
     __m512 m[NH], l[NH];  // m: the raw scores' reference max
     for (int h = 0; h < NH; ++h) l[h] = _mm512_setzero_ps();
     TileConfig cfg;
@@ -208,9 +210,8 @@ void flash_item(const FlashChunk& c, int64_t h0, int64_t q0, int64_t Hkv, int64_
                 _mm512_store_si512(pt[h][p0r + r / 2], pr);
                 // the sums of the rounded probabilities, as they weigh the values: lane q
                 // of pr holds p0's bf16 in its low half, p1's in its high half
-                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16)));
-                sum1 = _mm512_add_ps(sum1, _mm512_castsi512_ps(
-                                               _mm512_and_si512(pr, _mm512_set1_epi32(-65536))));
+                if (r & 2) sum1 = _mm512_dpbf16_ps(sum1, (__m512bh)pr, ones);
+                else sum = _mm512_dpbf16_ps(sum, (__m512bh)pr, ones);
             }
             l[h] = _mm512_add_ps(l[h], _mm512_add_ps(sum, sum1));
         }
@@ -261,6 +262,8 @@ void flash_amx(const std::vector<FlashChunk>& chunks, int64_t Hq, int64_t Hkv, f
         return a.g != b.g ? a.g < b.g : a.cost > b.cost;
     });
     dynamic_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
         for (int64_t i = begin; i < end; ++i) {
             const Item& it = items[i];
             const FlashChunk& ch = chunks[it.c];
@@ -268,6 +271,7 @@ void flash_amx(const std::vector<FlashChunk>& chunks, int64_t Hq, int64_t Hkv, f
             else if (it.nh == 2) flash_item<2>(ch, it.h0, it.q0, Hkv, it.g, scale);
             else flash_item<1>(ch, it.h0, it.q0, Hkv, it.g, scale);
         }
+        _mm_setcsr(csr);
     });
 }
 
