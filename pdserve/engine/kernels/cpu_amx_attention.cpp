@@ -277,18 +277,44 @@ void flash_amx(const std::vector<FlashChunk>& chunks, int64_t Hq, int64_t Hkv, f
 
 void pack_kv(const uint16_t* const* krows, const uint16_t* const* vrows, int64_t lk,
              int64_t lkp, int64_t kv_size, int64_t b0, int64_t b1, uint16_t* k, uint16_t* vt) {
+    // V^T by pairs of keys: their rows' 16-bit lanes interleaved (one vpermt2w per 16
+    // dimensions) make 32-bit lanes (key 2p, key 2p + 1) at each dimension, then 16 x 16
+    // transposes of those lanes give rows of 32 keys per dimension
+    alignas(64) uint16_t lo[32], hi[32];
+    for (int i = 0; i < 32; ++i) {
+        lo[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + i / 2);  // dims 0-15 of a and b
+        hi[i] = static_cast<uint16_t>(lo[i] + 16);                // dims 16-31
+    }
+    const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+    alignas(64) uint32_t pairs[4][16][16];  // [dimension block][key pair][dimension]
     for (int64_t b = b0; b < b1; ++b) {
         for (int64_t n = b * 32; n < (b + 1) * 32; ++n) {
             if (n < lk) std::memcpy(k + n * kv_size, krows[n], kv_size * sizeof(uint16_t));
             else std::memset(k + n * kv_size, 0, kv_size * sizeof(uint16_t));
         }
         for (int64_t g = 0; g < kv_size / 64; ++g) {  // V^T block: [g][b][d][32 keys]
-            uint16_t* dst = vt + (g * (lkp / 32) + b) * 64 * 32;
-            for (int64_t n = 0; n < 32; ++n) {
-                const int64_t key = b * 32 + n;
-                const uint16_t* src = key < lk ? vrows[key] + g * 64 : nullptr;
-                for (int64_t d = 0; d < 64; ++d) dst[d * 32 + n] = src ? src[d] : 0;
+            for (int64_t p = 0; p < 16; ++p) {
+                const int64_t key = b * 32 + 2 * p;
+                __m512i a[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                __m512i c[2] = {a[0], a[1]};
+                if (key < lk) {
+                    a[0] = _mm512_loadu_si512(vrows[key] + g * 64);
+                    a[1] = _mm512_loadu_si512(vrows[key] + g * 64 + 32);
+                }
+                if (key + 1 < lk) {
+                    c[0] = _mm512_loadu_si512(vrows[key + 1] + g * 64);
+                    c[1] = _mm512_loadu_si512(vrows[key + 1] + g * 64 + 32);
+                }
+                for (int64_t h = 0; h < 2; ++h) {
+                    _mm512_store_si512(pairs[2 * h][p], _mm512_permutex2var_epi16(a[h], ilo, c[h]));
+                    _mm512_store_si512(pairs[2 * h + 1][p],
+                                       _mm512_permutex2var_epi16(a[h], ihi, c[h]));
+                }
             }
+            uint16_t* dst = vt + (g * (lkp / 32) + b) * 64 * 32;
+            for (int64_t db = 0; db < 4; ++db)
+                transpose16(reinterpret_cast<const float*>(pairs[db][0]),
+                            reinterpret_cast<float*>(dst + 16 * db * 32), 16, 16);
         }
     }
 }
