@@ -916,9 +916,25 @@ inline const uint16_t* bf16_data(const torch::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-// X [M, K] fp32 holding bf16 values as a bf16 tensor (rows split over the threads).
+// Rows of a torch GEMM's operands for a step of M rows: more than MAX_GEMV_ROWS go up to a
+// multiple of 32, the rows past M zeros (their results unread). oneDNN builds (JIT-compiles)
+// a kernel for each new shape, and each prompt length was one: a 2-core Xeon, 1,400-1,600
+// token prompts of distinct lengths took 372-398 ms per 1,500 tokens against 335-360 for
+// one length repeated. Padded, at most 128 shapes per layer GEMM up to 4,096 rows, which
+// oneDNN's primitive cache (1,024 entries) keeps.
+inline int64_t gemm_rows(int64_t M) { return M > MAX_GEMV_ROWS ? (M + 31) / 32 * 32 : M; }
+
+// A bf16 [gemm_rows(M), K] tensor for M rows of data, the padding rows zeroed.
+torch::Tensor gemm_input(int64_t M, int64_t K) {
+    auto x = torch::empty({gemm_rows(M), K}, torch::kBFloat16);
+    if (x.size(0) > M) x.narrow(0, M, x.size(0) - M).zero_();
+    return x;
+}
+
+// X [M, K] fp32 holding bf16 values as a bf16 tensor, padded (gemm_input; rows split over
+// the threads).
 torch::Tensor bf16_rows(const float* X, int64_t M, int64_t K) {
-    auto x = torch::empty({M, K}, torch::kBFloat16);
+    auto x = gemm_input(M, K);
     uint16_t* xb = const_cast<uint16_t*>(bf16_data(x));
     at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
         to_bf16(X + r0 * K, xb + r0 * K, (r1 - r0) * K);
@@ -1230,8 +1246,7 @@ class FusedDecoder {
         // a step of more than 32 rows takes torch's GEMM for the output projection: the
         // attention's rows go to it in bf16, as the AMX prefill kernel writes them
         const bool torch_gemm = M > MAX_GEMV_ROWS;
-        torch::Tensor attn16 = torch_gemm ? torch::empty({M, q_size}, torch::kBFloat16)
-                                          : torch::Tensor();
+        torch::Tensor attn16 = torch_gemm ? gemm_input(M, q_size) : torch::Tensor();
         timed(ATTENTION, [&] {
             store_kv(qkv.data(), M, qkv_n, l, st);
             attention(qkv.data(), M, qkv_n, l, st, attn.data(),
@@ -1264,7 +1279,7 @@ class FusedDecoder {
     // (48 MB as fp32) was written, converted and read back in fp32 for each layer.
     // h [M, H] = down(bf16(bf16(silu(gate)) * up)), the values of the fp32 path.
     void mlp_bf16(const Layer& ly, const float* xn, int64_t M, float* h) {
-        auto act = torch::empty({M, I_}, torch::kBFloat16);
+        auto act = gemm_input(M, I_);
         timed(GEMM, [&] { gu_ = linear_torch_bf16(ly.gate_up, bf16_rows(xn, M, H_)); });
         timed(NORM_ACT, [&] {
             // gate columns [0, I) and up [I, 2I): one segment of 2I rows or two of I
