@@ -65,6 +65,15 @@ PAUSE_SLICE_S = 0.75
 #: The same where the waiting party has a new prompt to prefill (see the module docstring).
 URGENT_SLICE_S = 0.3
 
+#: A step projected to end within this many seconds (from its layers' pace so far) is
+#: finished before an urgent pause: the pause costs the long prompt the decode worker's whole
+#: step (~0.1-0.15 s with a short prompt's prefill), so handing over near the end delayed it
+#: more than the short one gained. W3 on the 2-core Xeon with AMX (seventh session; vLLM-cpu:
+#: short p99 0.62 s, long p50 0.56 s): a 1,744-token prompt alone ~0.43 s, with a short
+#: prompt arriving 0.2 s in 0.62 s (paused at 0.3 s); an urgent slice of 0.5 s instead made
+#: it 0.50 s but short p99 0.68 s (shorts behind 2,048-token steps).
+URGENT_FINISH_S = 0.15
+
 #: How often a party waiting with an ``urgent`` callback checks it (seconds).
 URGENT_POLL_S = 0.005
 
@@ -155,10 +164,11 @@ class CoreTurns:
         return _is_locked(self._gate)
 
     def pause_point(self, slice_s: float = PAUSE_SLICE_S,
-                    urgent_slice_s: float = URGENT_SLICE_S) -> bool:
+                    urgent_slice_s: float = URGENT_SLICE_S, remaining_s: float = 1e9) -> bool:
         """Called inside a turn, where the work can stop for a while (between decoder
         layers): when this turn has lasted ``slice_s`` seconds (``urgent_slice_s`` where
-        the waiting party has a new prompt) and another party waits, give it the cores for
+        the waiting party has a new prompt, unless the step's ``remaining_s``, estimated,
+        is within :data:`URGENT_FINISH_S`) and another party waits, give it the cores for
         one of its steps and wait for them back.
 
         Returns:
@@ -167,7 +177,7 @@ class CoreTurns:
         held = time.monotonic() - self._taken_s
         if held < min(slice_s, urgent_slice_s) or not self.is_waited_for():
             return False
-        if held < slice_s and not self.is_urgent():
+        if held < slice_s and (remaining_s <= URGENT_FINISH_S or not self.is_urgent()):
             return False
         fcntl.flock(self._cores, fcntl.LOCK_UN)
         self._take()
@@ -183,8 +193,17 @@ class CoreTurns:
         runs them in one call. Returns the number of layers hooked."""
         layers = [m for name, m in model.named_modules()
                   if name.rsplit(".", 1)[-1] == "layers" and hasattr(m, "__iter__")]
-        def hook(*_) -> None:  # a hook's non-None result would replace the layer's output
-            self.pause_point(slice_s)
+        count = len(layers[0]) if layers else fused.decoder.num_layers() if fused else 0
+        pace = {"taken": None, "done": 0, "index": -1}  # layers run since the cores came
+
+        def hook(*args) -> None:  # a hook's non-None result would replace the layer's output
+            # the fused decoder passes the layer's index; eager hooks count their calls
+            index = args[0] if isinstance(args[0], int) else (pace["index"] + 1) % count
+            if pace["taken"] != self._taken_s:
+                pace["taken"], pace["done"] = self._taken_s, 0
+            pace["index"], pace["done"] = index, pace["done"] + 1
+            per_layer = (time.monotonic() - self._taken_s) / pace["done"]
+            self.pause_point(slice_s, remaining_s=per_layer * (count - 1 - index))
 
         for layer in (layers[0] if layers else []):
             layer.register_forward_hook(hook)

@@ -18,6 +18,7 @@ import pytest
 from pdserve.core_turns import (
     PAUSE_SLICE_S,
     PREFILL_TURN_TOKENS,
+    URGENT_FINISH_S,
     URGENT_SLICE_S,
     YIELD_STEP_TOKENS,
     CoreTurns,
@@ -160,6 +161,51 @@ def test_a_waiting_new_prompt_gets_the_shorter_slice(tmp_path, urgent):
     slice_s = URGENT_SLICE_S if urgent else PAUSE_SLICE_S
     assert len(inside) >= 2 and min(gaps) >= slice_s, gaps
     assert max(gaps) < slice_s + 0.3, gaps
+
+
+_SHORT_STEP = """
+import json, sys, time, torch
+from pdserve.core_turns import CoreTurns
+class Layer(torch.nn.Module):
+    def forward(self, x):
+        time.sleep(0.05)
+        return (x, x)
+class Model(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(n))
+    def forward(self, x):
+        for layer in self.layers:
+            x, _ = layer(x)
+        return x
+turns, model = CoreTurns(sys.argv[1]), Model(int(sys.argv[2]))
+turns.pause_between_layers(model)
+with turns.turn():
+    print(json.dumps(["holding", 0, 0]), flush=True)
+    while not turns.is_waited_for():  # the decode side started and waits
+        time.sleep(0.01)
+with turns.turn():  # after one decode step; the decode side waits again at once
+    model(torch.zeros(1))
+print(json.dumps(["pauses", turns.num_pauses, 0]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("layers,pauses", [(7, 0), (16, 2)])
+def test_a_step_near_its_end_finishes_before_an_urgent_pause(tmp_path, layers, pauses):
+    """A decode side that always has a new prompt waiting: a 7 x 50 ms step is one or two
+    layers from its end when URGENT_SLICE_S (0.3 s) has passed, within URGENT_FINISH_S, so
+    it finishes without pausing; a 16 x 50 ms one (0.5 s left then) hands the cores over,
+    and again 0.3 s after it has them back (0.2 s left)."""
+    assert 7 * 0.05 + 0.09 < URGENT_SLICE_S + URGENT_FINISH_S < 16 * 0.05
+    prefill = subprocess.Popen([sys.executable, "-c", _SHORT_STEP, str(tmp_path), str(layers)],
+                               stdout=subprocess.PIPE, text=True)
+    assert json.loads(prefill.stdout.readline())[0] == "holding"
+    decode = subprocess.Popen([sys.executable, "-c", _WAITER, str(tmp_path), "1"],
+                              stdout=subprocess.PIPE, text=True)
+    lines = [json.loads(line) for p in (prefill, decode)
+             for line in p.communicate(timeout=60)[0].splitlines()]
+    assert [prefill.returncode, decode.returncode] == [0, 0]
+    assert [n for name, n, _ in lines if name == "pauses"] == [pauses], lines
 
 
 def test_a_killed_holder_frees_the_cores(tmp_path):

@@ -94,3 +94,26 @@ def test_worker_cli_rejects_a_bad_cpu_list():
     assert out.returncode == 2
     assert "--cpus" in out.stderr and "bad CPU list" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_transfer_threads_run_at_a_lower_priority_than_the_worker():
+    """background_priority (the KV sender's and inbox's threads call it) lowers the calling
+    thread's nice value alone: the process's main thread keeps its own."""
+    import threading
+
+    from pdserve.cpu_affinity import TRANSFER_THREAD_NICE, background_priority
+
+    if not hasattr(threading, "get_native_id") or not sys.platform.startswith("linux"):
+        pytest.skip("per-thread priorities are Linux's")
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+
+    def run() -> None:
+        background_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [max(main, TRANSFER_THREAD_NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main

@@ -440,6 +440,26 @@ def test_prefill_gemms_see_row_counts_padded_to_32():
     assert llm.generate([prompt], sp)[0].outputs[0].token_ids == token
 
 
+def test_warm_gemms_runs_each_padded_step_size_once():
+    """FusedCpuDecode.warm_gemms (the serving workers call it before they register): each
+    layer GEMM shape (qkv, o, gate_up, down) at every padded row count of a step of 33 ..
+    max_rows rows, here 64, 96 and 128 for 100 rows: 12 GEMMs, seen by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(None, dtype="bfloat16", load_progress=False)
+    fused = llm.engine.runner.fused_decode
+    if fused is None or fused.max_tokens <= cd.MAX_FUSED_TOKENS:
+        pytest.skip("no fused prefill steps (torch GEMMs) on this machine")
+    assert fused.decoder.warm_gemms(100) == 12
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fused.decoder.warm_gemms(90)  # 64 and 96 rows: on this thread (no row split)
+    shapes = [(e.input_shapes[0][0], tuple(e.input_shapes[1])) for e in prof.events()
+              if e.name == "aten::mm" and e.input_shapes]
+    assert {rows for rows, _ in shapes} == {64, 96}
+    weights = {w for _, w in shapes}  # [K, N]: one per layer weight (or per segment)
+    assert {(576, 576), (1536, 576)} <= weights and len(shapes) == 2 * len(weights)
+
+
 @pytest.mark.parametrize("quantization,bound", [(None, 1.015), ("rtn-int4", 1.03), ("gguf", 1.02)])
 def test_fused_perplexity_matches_the_eager_model(quantization, bound):
     """Held-out perplexity of SmolLM2 scored in chunks of 32 tokens (each chunk one fused

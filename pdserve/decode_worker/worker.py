@@ -94,6 +94,8 @@ class DecodeWorker(EngineWorker):
                                            or engine.runner.kv_cache.device.type == "cpu"),
                                  cluster_keys=cluster_keys, expects=self._expected_kv,
                                  writer=self._write_kv_layers)
+        if engine.runner.fused_decode is not None:  # no request pays for a GEMM's compile
+            engine.runner.fused_decode.warm_gemms(engine.scheduler.max_num_batched_tokens)
 
     def registration_extras(self) -> dict:
         """The KV receiver's advertised address and transport, so the router can tell

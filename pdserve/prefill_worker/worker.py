@@ -78,6 +78,8 @@ class PrefillWorker(EngineWorker):
         self.num_kv_transfers_sent = 0
         self.num_kv_transfers_failed = 0
         self.engine.kv_layer_sink = self._on_kv_layer
+        if engine.runner.fused_decode is not None:  # no request pays for a GEMM's compile
+            engine.runner.fused_decode.warm_gemms(engine.scheduler.max_num_batched_tokens)
 
     def share_cores_with_decode(self) -> None:
         """Set up for taking turns at the cores with a decode worker (:attr:`core_turns`

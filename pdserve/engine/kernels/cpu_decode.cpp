@@ -1112,6 +1112,27 @@ class FusedDecoder {
 
     int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+    // Runs the torch GEMM of each layer weight shape once for every padded row count of a
+    // step of 33 .. max_rows rows (gemm_rows: 64, 96, ...), on zeros, so oneDNN compiles
+    // their kernels now instead of in the first step of each new size (~5-10 ms a shape on
+    // a 2-core Xeon, four shapes a step). Weights off the torch path (quantized) are
+    // skipped. Returns the number of GEMMs run.
+    int64_t warm_gemms(int64_t max_rows) {
+        if (layers_.empty()) return 0;
+        const Layer& ly = layers_[0];
+        int64_t n = 0;
+        for (const Linear* L : {&ly.qkv, &ly.o, &ly.gate_up, &ly.down}) {
+            bool bf16 = !L->quantized_input && !L->segs.empty();
+            for (const Segment& g : L->segs) bf16 = bf16 && g.kind == BF16;
+            if (!bf16) continue;
+            for (int64_t M = gemm_rows(MAX_GEMV_ROWS + 1); M <= gemm_rows(max_rows); M += 32) {
+                linear_torch_bf16(*L, torch::zeros({M, L->K}, torch::kBFloat16));
+                ++n;
+            }
+        }
+        return n;
+    }
+
     // Per-part timing of forward() for profiling (bench/profile_step.py); off by default
     // (one branch per part when off). part_ms(): ms spent since the last call in {GEMMs,
     // KV store + attention, norms/rotary/activation/residual adds, the whole forward},
@@ -1854,6 +1875,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             torch::Tensor, torch::Tensor>())
         .def("add_layer", &FusedDecoder::add_layer)
         .def("num_layers", &FusedDecoder::num_layers)
+        .def("warm_gemms", &FusedDecoder::warm_gemms,
+             pybind11::call_guard<pybind11::gil_scoped_release>())
         .def("set_timing", &FusedDecoder::set_timing)
         .def("part_ms", &FusedDecoder::part_ms)
         .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
