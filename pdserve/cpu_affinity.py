@@ -149,16 +149,15 @@ def apply_worker_cpus(cpus: tuple[int, ...] | None, num_threads: int | None) -> 
 TRANSFER_THREAD_NICE = 10
 
 
-def background_priority() -> None:
-    """Lower the calling thread's CPU priority to :data:`TRANSFER_THREAD_NICE` (Linux: the
-    nice value of this thread alone, never raised; elsewhere nothing). The KV transfer
+def background_priority(nice: int = TRANSFER_THREAD_NICE) -> None:
+    """Lower the calling thread's CPU priority to ``nice`` (Linux: the nice value of this
+    thread alone, never raised; elsewhere nothing). The KV transfer
     threads call it: on shared cores a finished prompt's KV push (FP8 quantization,
     signing, copies) and its receipt ran beside the decode worker's next step, the one that
     carries a short prompt's prefill, at equal weight; W3 on a 2-core Xeon: a short prompt
     arriving 0.12 s into a 1,539-token prefill waited 0.27 s after that prefill ended."""
     try:
         tid = threading.get_native_id()
-        nice = max(os.getpriority(os.PRIO_PROCESS, tid), TRANSFER_THREAD_NICE)  # never raised
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
     except (AttributeError, OSError):  # no per-thread priorities here, or not permitted
         pass

@@ -441,18 +441,25 @@ def test_prefill_gemms_see_row_counts_padded_to_32():
 
 
 def test_warm_gemms_runs_each_padded_step_size_once():
-    """FusedCpuDecode.warm_gemms (the serving workers call it before they register): each
+    """FusedCpuDecode.warm_gemms (the serving workers run it in a background thread): each
     layer GEMM shape (qkv, o, gate_up, down) at every padded row count of a step of 33 ..
-    max_rows rows, here 64, 96 and 128 for 100 rows: 12 GEMMs, seen by the profiler."""
+    max_rows rows, here 64, 96 and 128 for 100 rows: 12 GEMMs, seen by the profiler; a set
+    stop event ends it before the next size, and start_warming's stopper joins its thread."""
+    import threading
+
     from torch.profiler import ProfilerActivity, profile
 
     llm = LLM(None, dtype="bfloat16", load_progress=False)
     fused = llm.engine.runner.fused_decode
     if fused is None or fused.max_tokens <= cd.MAX_FUSED_TOKENS:
         pytest.skip("no fused prefill steps (torch GEMMs) on this machine")
-    assert fused.decoder.warm_gemms(100) == 12
+    assert fused.warm_gemms(100) == 12
+    stop = threading.Event()
+    stop.set()
+    assert fused.warm_gemms(2048, stop) == 0
+    fused.start_warming(2048)()  # stopped at once: returns after at most one size
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fused.decoder.warm_gemms(90)  # 64 and 96 rows: on this thread (no row split)
+        fused.warm_gemms(90)  # 64 and 96 rows: on this thread (no row split)
     shapes = [(e.input_shapes[0][0], tuple(e.input_shapes[1])) for e in prof.events()
               if e.name == "aten::mm" and e.input_shapes]
     assert {rows for rows, _ in shapes} == {64, 96}

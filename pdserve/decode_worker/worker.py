@@ -94,8 +94,9 @@ class DecodeWorker(EngineWorker):
                                            or engine.runner.kv_cache.device.type == "cpu"),
                                  cluster_keys=cluster_keys, expects=self._expected_kv,
                                  writer=self._write_kv_layers)
-        if engine.runner.fused_decode is not None:  # no request pays for a GEMM's compile
-            engine.runner.fused_decode.warm_gemms(engine.scheduler.max_num_batched_tokens)
+        fused = engine.runner.fused_decode  # no request pays for a GEMM's compile
+        self._stop_warming = (fused.start_warming(engine.scheduler.max_num_batched_tokens)
+                              if fused is not None else None)
 
     def registration_extras(self) -> dict:
         """The KV receiver's advertised address and transport, so the router can tell
@@ -328,6 +329,8 @@ class DecodeWorker(EngineWorker):
             num_dropped_kv_messages=self.inbox.num_dropped)
 
     def close(self) -> None:
-        """Stop the KV inbox thread and its transport."""
+        """Stop the GEMM warm-up, the KV inbox thread and its transport."""
+        if self._stop_warming is not None:
+            self._stop_warming()
         if self.inbox is not None:
             self.inbox.close()

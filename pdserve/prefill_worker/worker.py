@@ -78,8 +78,9 @@ class PrefillWorker(EngineWorker):
         self.num_kv_transfers_sent = 0
         self.num_kv_transfers_failed = 0
         self.engine.kv_layer_sink = self._on_kv_layer
-        if engine.runner.fused_decode is not None:  # no request pays for a GEMM's compile
-            engine.runner.fused_decode.warm_gemms(engine.scheduler.max_num_batched_tokens)
+        fused = engine.runner.fused_decode  # no request pays for a GEMM's compile
+        self._stop_warming = (fused.start_warming(engine.scheduler.max_num_batched_tokens)
+                              if fused is not None else None)
 
     def share_cores_with_decode(self) -> None:
         """Set up for taking turns at the cores with a decode worker (:attr:`core_turns`
@@ -182,7 +183,10 @@ class PrefillWorker(EngineWorker):
                                 num_transfers_failed=self.num_kv_transfers_failed)
 
     def close(self) -> None:
-        """Stop the KV sender thread (it pushes the jobs already queued first, for up to 5 s)."""
+        """Stop the GEMM warm-up and the KV sender thread (it pushes the jobs already queued
+        first, for up to 5 s)."""
+        if self._stop_warming is not None:
+            self._stop_warming()
         self.sender.close()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -22,6 +23,7 @@ import gguf
 import torch
 from torch import nn
 
+from pdserve.cpu_affinity import background_priority
 from pdserve.engine.kernels.cpu_decode import (
     BF16,
     MAX_FUSED_PREFILL_TOKENS, MAX_FUSED_TOKENS, Segment, bf16_segment, cpu_decode_module, group_to_blocks, int4_segment,
@@ -181,17 +183,40 @@ class FusedCpuDecode:
         logger.info("steps of up to %d tokens run the fused CPU kernel", fused.max_tokens)
         return fused
 
-    def warm_gemms(self, max_rows: int) -> float:
-        """Compile torch's (oneDNN's) GEMM kernels for every step size this decoder can
-        take up to ``max_rows`` rows (rows padded to multiples of 32: 64, 96, ...), so no
-        request pays for a compile in its own step (each new size cost ~25 ms on a 2-core
-        Xeon: four layer GEMM shapes). Returns the seconds taken (the workers log it)."""
-        start = time.perf_counter()
-        count = self.decoder.warm_gemms(min(max_rows, self.max_tokens))
-        seconds = time.perf_counter() - start
-        logger.info("compiled %d GEMM kernels for steps of up to %d rows in %.1f s",
-                    count, max_rows, seconds)
-        return seconds
+    def warm_gemms(self, max_rows: int, stop: threading.Event | None = None) -> int:
+        """Run torch's (oneDNN's) GEMMs once at every step size this decoder can take up to
+        ``max_rows`` rows (rows padded to multiples of 32: 64, 96, ...), one size at a time
+        until ``stop`` is set, so that no request pays for a kernel's compile in its own
+        step (each new size cost ~25 ms on a 2-core Xeon: four layer GEMM shapes). Returns
+        the number of GEMMs run."""
+        count = 0
+        for rows in range(2 * MAX_FUSED_TOKENS, min(max_rows, self.max_tokens) + 32, 32):
+            if stop is not None and stop.is_set():
+                break
+            count += self.decoder.warm_gemms(rows)
+        return count
+
+    def start_warming(self, max_rows: int) -> Callable[[], None]:
+        """:meth:`warm_gemms` in a background thread at the lowest CPU priority (the serving
+        workers start it before they register: run up front it took 2.7-3.7 s of their
+        start-up). Returns a function that stops the thread and waits for it (one step
+        size, some ms)."""
+        stop = threading.Event()
+
+        def run() -> None:
+            background_priority(19)
+            start = time.perf_counter()
+            count = self.warm_gemms(max_rows, stop)
+            logger.info("ran %d GEMMs for steps of up to %d rows in %.1f s", count, max_rows,
+                        time.perf_counter() - start)
+
+        thread = threading.Thread(target=run, name="gemm-warm-up", daemon=True)
+        thread.start()
+
+        def finish() -> None:
+            stop.set()
+            thread.join(timeout=10)
+        return finish
 
     def can_run(self, num_tokens: int, max_seq_len: int = 0) -> bool:
         """Whether a step of ``num_tokens`` tokens, the longest of its requests

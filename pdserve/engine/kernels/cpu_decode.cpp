@@ -1112,12 +1112,12 @@ class FusedDecoder {
 
     int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-    // Runs the torch GEMM of each layer weight shape once for every padded row count of a
-    // step of 33 .. max_rows rows (gemm_rows: 64, 96, ...), on zeros, so oneDNN compiles
-    // their kernels now instead of in the first step of each new size (~5-10 ms a shape on
-    // a 2-core Xeon, four shapes a step). Weights off the torch path (quantized) are
-    // skipped. Returns the number of GEMMs run.
-    int64_t warm_gemms(int64_t max_rows) {
+    // Runs the torch GEMM of each layer weight shape once at `rows` rows (a padded step
+    // size: a multiple of 32 above MAX_GEMV_ROWS), on zeros, so oneDNN compiles their kernels
+    // ahead of the first step of that size (~5-10 ms a shape on a 2-core Xeon, four shapes
+    // a step). Weights off the torch path (quantized) are skipped. Returns the GEMMs run.
+    int64_t warm_gemms(int64_t rows) {
+        TORCH_CHECK(rows > MAX_GEMV_ROWS && gemm_rows(rows) == rows, "not a padded step size");
         if (layers_.empty()) return 0;
         const Layer& ly = layers_[0];
         int64_t n = 0;
@@ -1125,10 +1125,8 @@ class FusedDecoder {
             bool bf16 = !L->quantized_input && !L->segs.empty();
             for (const Segment& g : L->segs) bf16 = bf16 && g.kind == BF16;
             if (!bf16) continue;
-            for (int64_t M = gemm_rows(MAX_GEMV_ROWS + 1); M <= gemm_rows(max_rows); M += 32) {
-                linear_torch_bf16(*L, torch::zeros({M, L->K}, torch::kBFloat16));
-                ++n;
-            }
+            linear_torch_bf16(*L, torch::zeros({rows, L->K}, torch::kBFloat16));
+            ++n;
         }
         return n;
     }
