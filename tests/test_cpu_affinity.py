@@ -96,25 +96,24 @@ def test_worker_cli_rejects_a_bad_cpu_list():
     assert "Traceback" not in out.stderr
 
 
-def test_background_priority_lowers_only_the_calling_thread():
-    """background_priority (the GEMM warm-up thread calls it with 19) lowers the calling
-    thread's nice value alone, never raising it: the process's main thread keeps its own."""
+def test_transfer_threads_run_at_a_lower_priority_than_the_worker():
+    """background_priority (the KV sender's and inbox's threads call it) lowers the calling
+    thread's nice value alone: the process's main thread keeps its own."""
     import threading
 
-    from pdserve.cpu_affinity import background_priority
+    from pdserve.cpu_affinity import TRANSFER_THREAD_NICE, background_priority
 
     if not hasattr(threading, "get_native_id") or not sys.platform.startswith("linux"):
         pytest.skip("per-thread priorities are Linux's")
     main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen = []
 
-    def run(nice: int) -> None:
-        background_priority(nice)
+    def run() -> None:
+        background_priority()
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
-    for nice in (19, main):
-        thread = threading.Thread(target=run, args=(nice,))
-        thread.start()
-        thread.join()
-    assert seen == [max(main, 19), main]
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [max(main, TRANSFER_THREAD_NICE)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from pdserve.cpu_affinity import background_priority
 from pdserve.fp8 import dequantize_blocks
 from pdserve.kvtransfer.addressing import replace_tcp_host
 from pdserve.kvtransfer.errors import KVChecksumError, KVFormatError, KVTransferTimeout
@@ -103,6 +104,7 @@ class KVInbox:
         self._thread.start()
 
     def _run(self) -> None:
+        background_priority()
         while not self._stop.is_set():
             try:
                 msg = self.receiver.recv(timeout_s=RECV_POLL_S)

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.cpu_affinity import background_priority
 from pdserve.kvtransfer.hidden import encode_hidden
 from pdserve.kvtransfer.transport import MAX_KV_MESSAGE_BYTES, KVSender, create_transport
 from pdserve.kvtransfer.wire import encode_kv
@@ -146,6 +147,7 @@ class KVSenderThread:
         return enc.header.payload_bytes
 
     def _run(self) -> None:
+        background_priority()
         while True:
             job = self.jobs.get()
             if job is None:
