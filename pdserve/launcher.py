@@ -226,7 +226,7 @@ async def _serve_http(state, host: str, port: int, supervisor: WorkerSupervisor 
     task = asyncio.create_task(server.serve(sockets=None if sock is None else [sock]))
     if supervisor is not None and not await _wait_for_workers(
             state, server, task, [w.proc for w in supervisor.workers if w.role != "api"]):
-        return 1
+        return 0 if state.draining else 1  # stopped by a signal, or a start-up failure
     print(f"pdserve: serving {state.model_name} at http://{host}:{port}/v1", flush=True)
     watcher = asyncio.create_task(supervisor.run()) if supervisor is not None else None
     try:

@@ -36,6 +36,7 @@ from pdserve.server.serving_common import (
     parse_request,
     sse,
     start_generation,
+    wait_for_start,
     to_params,
     collect_choices,
 )
@@ -145,6 +146,7 @@ async def create_chat_completion(state: ServerState, raw: bytes):
         else "tools")
     if params.structured_output is not None:
         state.metrics.observe_structured_output(params.structured_output.kind.value)
+    await wait_for_start(state)
     request_id, gen = start_generation(state, "chatcmpl", prompt_ids, params, req.stop_list)
     created = int(time.time())
     if req.stream:

@@ -117,6 +117,29 @@ async def check_structured_output(constraint: StructuredOutputParams | None,
         raise APIError(400, str(exc), param) from None
 
 
+#: Longest a request that arrives while ``serve`` starts its workers waits for them (seconds)
+#: before routing answers it (503 when no worker can take it). ``serve`` opens its port
+#: before the model is loaded (``/health`` is the readiness probe); a client that sends
+#: at once is served when the workers are ready, not told to retry.
+STARTUP_WAIT_S = 120.0
+
+#: How often a held request checks whether the workers registered (seconds).
+STARTUP_POLL_S = 0.05
+
+
+async def wait_for_start(state: ServerState) -> None:
+    """Hold a request while the workers ``serve`` started have not all registered yet
+    (:attr:`ServerState.num_workers_expected`), until they have, the server drains, or
+    :data:`STARTUP_WAIT_S` passes. Returns at once on a server that started its workers
+    (or has none of its own: ``pdserve server``)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STARTUP_WAIT_S
+    registered = state.router.registry.ever_registered
+    while (len(registered) < state.num_workers_expected and not state.draining
+           and loop.time() < deadline):
+        await asyncio.sleep(STARTUP_POLL_S)
+
+
 def start_generation(state: ServerState, prefix: str, prompt_token_ids: list[int], params,
                      stop: list[str]) -> tuple[str, Generation]:
     """Submit; raises APIError 503 when no worker can take it."""

@@ -28,6 +28,7 @@ from pdserve.server.serving_common import (
     parse_request,
     sse,
     start_generation,
+    wait_for_start,
     to_params,
     collect_choices,
 )
@@ -144,6 +145,7 @@ async def create_completion(state: ServerState, raw: bytes):
     check_model(state, req.model)
     prompts = prompt_id_lists(state, req)
     params_list = await _checked_params(state, req, prompts)
+    await wait_for_start(state)
     request_id, gens = _start_generations(state, prompts, params_list, req.stop_list)
     completion = _CompletionInFlight(
         state, req, gens, request_id, created=int(time.time()), n=params_list[0].n,
