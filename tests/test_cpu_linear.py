@@ -10,8 +10,10 @@ from pdserve.engine.layers.linear import (
     MAX_BF16_GEMV_ROWS,
     MAX_PADDED_ROWS,
     PADDED_ROWS,
+    Bf16GemvLinear,
     Fp32GemmLinear,
     cpu_linear,
+    swap_to_bf16_gemv,
     wants_fp32_gemm,
 )
 
@@ -113,3 +115,40 @@ def test_avx2_bf16_gemv_refuses_what_it_does_not_compute():
         bf16_gemv_module().gemv(w, torch.randn(9, 16))  # 9 rows
     with pytest.raises(RuntimeError, match="w must be"):
         bf16_gemv_module().gemv(w.float(), torch.randn(1, 16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, MAX_GEMV_ROWS, MAX_GEMV_ROWS + 1, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemv_layer_is_a_bf16_gemm_with_fp32_accumulation(rows, with_bias):
+    """Bf16GemvLinear (the EAGLE head's layers on a CPU with native bf16): the kernel for
+    decode-sized inputs, F.linear above; both a bf16 GEMM with fp32 accumulation, and the
+    layer holds the replaced layer's own tensors."""
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 40, bias=with_bias).bfloat16()
+    layer = Bf16GemvLinear(lin)
+    assert layer.weight is lin.weight and layer.bias is lin.bias
+    x = torch.randn(rows, 96).bfloat16()
+    out = layer(x)
+    ref = x.double() @ lin.weight.double().t()
+    if with_bias:
+        ref = ref + lin.bias.double()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+    if rows <= MAX_GEMV_ROWS:  # the kernel's value, rounded once
+        expect = bf16_gemv_module().gemv(lin.weight.detach(), x.float())
+        if with_bias:
+            expect = expect + lin.bias.float()
+        torch.testing.assert_close(out, expect.bfloat16(), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+
+
+@needs_kernel
+def test_swap_to_bf16_gemv_replaces_only_bf16_linear_layers():
+    model = nn.Sequential(nn.Linear(8, 8).bfloat16(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Sequential(nn.Linear(8, 4, bias=False).bfloat16()))
+    assert swap_to_bf16_gemv(model) == 2
+    assert isinstance(model[0], Bf16GemvLinear) and isinstance(model[3][0], Bf16GemvLinear)
+    assert type(model[1]) is nn.Linear  # fp32 stays
+    assert swap_to_bf16_gemv(model) == 0  # already swapped

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import openai
+import torch
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
@@ -88,3 +89,25 @@ def test_served_with_ngram_speculation_reports_acceptance():
         assert m["pdserve:spec_decode_num_accepted_tokens_per_pos_total{position=0}"] > 0
     finally:
         server.stop()
+
+
+def test_eagle_head_in_bf16_drafts_through_the_gemv_kernel(prompts_and_plain):
+    """bf16 on CPU: the head's layers take the bf16 GEMV kernel where it is built (see
+    Bf16GemvLinear), and its drafts are still accepted (the shipped head: ~1.75 per step;
+    wrong GEMV values would leave ~1.0)."""
+    from pdserve.engine.kernels.cpu_gemv import bf16_gemv_module
+    from pdserve.engine.layers.linear import Bf16GemvLinear, Fp32GemmLinear, wants_fp32_gemm
+
+    prompts, _ = prompts_and_plain
+    llm = LLM(None, dtype="bfloat16", load_progress=False, speculative_method="eagle",
+              num_speculative_tokens=4, speculative_model="default",
+              speculative_disable_by_batch_size=0)
+    layers = [type(m) for m in llm.engine.proposer.model.modules()
+              if isinstance(m, torch.nn.Linear)]
+    if wants_fp32_gemm(torch.device("cpu"), torch.bfloat16):  # no native bf16: as the target
+        assert layers and all(t is Fp32GemmLinear for t in layers), layers
+    elif bf16_gemv_module() is not None:
+        assert layers and all(t is Bf16GemvLinear for t in layers), layers
+    llm.generate(prompts, _params(), detokenize=False)
+    assert llm.engine.spec_stats.mean_acceptance_length > 1.3
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

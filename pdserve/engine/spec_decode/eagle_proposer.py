@@ -34,7 +34,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
+from pdserve.engine.layers.linear import swap_to_bf16_gemv, swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.model_runner import StepHidden
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -96,6 +96,8 @@ class EagleProposer(ModelProposer):
                                  max_model_len, runner.dtype)
         if wants_fp32_gemm(runner.device, runner.dtype):
             swap_to_fp32_gemm(model)  # as the target's layers (see layers/linear.py)
+        elif runner.device.type == "cpu" and runner.dtype == torch.bfloat16:
+            swap_to_bf16_gemv(model)  # decode-sized GEMMs at memory speed
         super().__init__(config, runner, block_manager, max_model_len,
                          model.num_layers, model.num_kv_heads, model.head_dim)
         self.model = model
