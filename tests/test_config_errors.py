@@ -100,3 +100,36 @@ def test_cli_help_says_what_each_default_is():
     assert checked >= 8
     serve = sub.choices["serve"].format_help()
     assert "default: no token" in " ".join(serve.split())
+
+
+@pytest.mark.parametrize("method, extra, expected", [
+    ("eagle", {"speculative_model": "default"}, 2),
+    ("draft", {"speculative_model": "x"}, 4),
+    ("ngram", {}, 4),
+    ("eagle", {"speculative_model": "default", "num_speculative_tokens": 5}, 5),
+])
+def test_num_speculative_tokens_defaults_per_method(method, extra, expected):
+    """Unset, k is the method's measured default (DEFAULT_NUM_SPECULATIVE_TOKENS); given, it
+    stays; and serve passes the flag to its workers only when given, so a worker resolves
+    the same value."""
+    import argparse
+
+    from pdserve.engine.entrypoints.arg_utils import (
+        add_engine_args,
+        engine_args_to_argv,
+        engine_config_from_args,
+    )
+
+    assert EngineConfig(speculative_method=method, **extra).num_speculative_tokens == expected
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    argv = ["--speculative-method", method]
+    if "num_speculative_tokens" in extra:
+        argv += ["--num-speculative-tokens", str(extra["num_speculative_tokens"])]
+    if method == "eagle":  # draft's "x" is no model folder: the config check would refuse it
+        argv += ["--speculative-model", extra["speculative_model"]]
+    worker_argv = engine_args_to_argv(parser.parse_args(argv))
+    assert ("--num-speculative-tokens" in worker_argv) == ("num_speculative_tokens" in extra)
+    if method != "draft":
+        worker = engine_config_from_args(parser.parse_args(worker_argv), None)
+        assert worker.num_speculative_tokens == expected

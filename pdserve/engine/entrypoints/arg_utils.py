@@ -54,8 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
                    help="draft-token proposer: n-gram prompt lookup, a smaller draft model, "
                         "or an EAGLE head; none turns speculation off")
-    s.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="draft tokens per step (k); k + 1 positions are verified at once")
+    s.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens per step (k); k + 1 positions are verified at once "
+                        "(default: the method's: eagle 2, draft 4, ngram 4)")
     s.add_argument("--speculative-model", default=None,
                    help="draft model folder (method draft) or EAGLE head folder (method eagle; "
                         "\"default\" = the head shipped for the default model)")
@@ -168,9 +169,9 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
     if not args.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
     argv += ["--speculative-method", args.speculative_method,
-             "--num-speculative-tokens", str(args.num_speculative_tokens),
-             "--speculative-draft-confidence", str(args.speculative_draft_confidence),
-             ]
+             "--speculative-draft-confidence", str(args.speculative_draft_confidence)]
+    if args.num_speculative_tokens is not None:
+        argv += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     if args.speculative_disable_by_batch_size is not None:
         argv += ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
     if args.speculative_model:
