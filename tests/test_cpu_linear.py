@@ -5,15 +5,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels.cpu_gemv import MAX_GEMV_ROWS, bf16_gemv, bf16_gemv_module
+from pdserve.engine.kernels.cpu_gemv import (
+    MAX_GEMV_ROWS,
+    Bf16GemvLinear,
+    bf16_gemv,
+    bf16_gemv_module,
+    swap_to_bf16_gemv,
+)
 from pdserve.engine.layers.linear import (
     MAX_BF16_GEMV_ROWS,
     MAX_PADDED_ROWS,
     PADDED_ROWS,
-    Bf16GemvLinear,
     Fp32GemmLinear,
     cpu_linear,
-    swap_to_bf16_gemv,
     wants_fp32_gemm,
 )
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import gguf
@@ -474,3 +475,33 @@ def test_gguf_with_unsupported_quant_type_names_tensor_and_type(tmp_path):
     write_tiny_gguf(tmp_path / "q5_0.gguf", "llama", stored, raw_types)
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*Q5_0"):
         load_checkpoint(tmp_path / "q5_0.gguf")
+
+
+def test_loading_bar_only_on_a_terminal(gguf_checkpoint, tmp_path, monkeypatch):
+    """progress=True draws the bar where stderr is a terminal, and nothing into a log file
+    (serve's workers would interleave their bars there)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100
+    with os.fdopen(slave, "w") as tty:
+        monkeypatch.setattr(sys, "stderr", tty)
+        for _ in gguf_checkpoint.iter_weights(torch.float32, progress=True):
+            pass
+        tty.flush()
+        drawn = b""
+        while select.select([master], [], [], 0.2)[0]:
+            drawn += os.read(master, 65536)
+    os.close(master)
+    drawn = drawn.decode(errors="replace")
+    assert "Loading" in drawn and "tensor" in drawn
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        monkeypatch.setattr(sys, "stderr", f)
+        for _ in gguf_checkpoint.iter_weights(torch.float32, progress=True):
+            pass
+    assert log.read_text() == ""

@@ -96,7 +96,8 @@ def test_eagle_head_in_bf16_drafts_through_the_gemv_kernel(prompts_and_plain):
     Bf16GemvLinear), and its drafts are still accepted (the shipped head: ~1.75 per step;
     wrong GEMV values would leave ~1.0)."""
     from pdserve.engine.kernels.cpu_gemv import bf16_gemv_module
-    from pdserve.engine.layers.linear import Bf16GemvLinear, Fp32GemmLinear, wants_fp32_gemm
+    from pdserve.engine.kernels.cpu_gemv import Bf16GemvLinear
+    from pdserve.engine.layers.linear import Fp32GemmLinear, wants_fp32_gemm
 
     prompts, _ = prompts_and_plain
     llm = LLM(None, dtype="bfloat16", load_progress=False, speculative_method="eagle",

@@ -8,16 +8,9 @@ import torch
 
 #: dtype names accepted by ``EngineConfig.dtype``; "auto" picks bf16.
 DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-}
+    "auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 
 #: ``EngineConfig.speculative_method`` values (see :mod:`pdserve.engine.spec_decode`).
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "eagle")
@@ -25,14 +18,8 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft", "eagle")
 #: (``EngineConfig.speculative_disable_by_batch_size=None``): the batch size where its
 #: tokens/s fell below plain decoding's (``bench/spec_decode.py``, SmolLM2 bf16, 2-core CPUs).
 DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE: dict[str, int] = {"eagle": 4, "draft": 2, "ngram": 4}
-
-#: ``EngineConfig.num_speculative_tokens`` when none is given, per method. EAGLE: 2. Its head
-#: is one decoder layer plus an 8,192-row LM head, ~1.9 ms a draft token on a 2-core Xeon
-#: with AMX against a ~14 ms target step, and the shipped head's later positions are rarely
-#: accepted (joint rates 0.47, 0.18, 0.07, 0.04): batch 1, greedy, four chat prompts, bf16,
-#: medians of 3 alternating runs: plain 13.3 ms a token, k = 1 11.1, k = 2 11.5, k = 3 12.3,
-#: k = 4 12.6 (acceptance 1.50, 1.75, 1.79, 1.82); 2 keeps most of k = 1's gain with more of
-#: a better head's acceptance.
+#: ``EngineConfig.num_speculative_tokens`` when none is given, per method (EAGLE: measured
+#: with the shipped head on a 2-core Xeon with AMX; see README, "Speculative decoding").
 DEFAULT_NUM_SPECULATIVE_TOKENS: dict[str, int] = {"eagle": 2, "draft": 4, "ngram": 4}
 
 #: ``EngineConfig.kv_cache_dtype`` values: "auto" stores K/V in the compute dtype, "fp8" in
@@ -69,8 +56,7 @@ class EngineConfig:
     verification rows. The token that fell below is still proposed. Output is unchanged
     (verification alone decides what is emitted).
 
-    ``num_speculative_tokens`` (None: the method's default in
-    :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`, set on construction) drafts per step.
+    ``num_speculative_tokens`` (None: :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`) drafts per step.
 
     ``speculative_disable_by_batch_size`` (0 = never; None = the method's default in
     :data:`DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE`) drafts nothing in a step after which at least
@@ -148,9 +134,8 @@ class EngineConfig:
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
-            )
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1], "
+                             f"got {self.kv_cache_memory_fraction}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -146,50 +146,6 @@ class Fp32GemmLinear(nn.Linear):
         return cpu_linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
-class Bf16GemvLinear(nn.Linear):
-    """A bf16 ``nn.Linear`` whose decode-sized inputs take the bf16 GEMV kernel of
-    :mod:`pdserve.engine.kernels.cpu_gemv` on a CPU with native bf16 GEMMs (the EAGLE head's
-    layers: the target's go through the fused decode kernel). oneDNN's bf16 GEMM at one row
-    read the head's weights at ~6-12 GB/s: its five GEMMs took 327 us against the kernel's 167
-    us (2-core Xeon with AMX). Same weight and bias tensors as the layer it replaces.
-
-    Args:
-        linear: the layer to replace (bf16 weight).
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        nn.Module.__init__(self)
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [num_tokens, in_features] -> [num_tokens, out_features]`` in ``x.dtype``: the
-        kernel (fp32 accumulation) for bf16 inputs of at most
-        :data:`~pdserve.engine.kernels.cpu_gemv.MAX_GEMV_ROWS` rows, else ``F.linear``."""
-        kernel = bf16_gemv_module()
-        if (kernel is None or x.dtype != torch.bfloat16 or x.dim() != 2
-                or not 0 < x.shape[0] <= MAX_GEMV_ROWS):
-            return F.linear(x, self.weight, self.bias)
-        y = kernel.gemv(self.weight.detach().contiguous(), x.float().contiguous())
-        return (y if self.bias is None else y.add_(self.bias)).to(x.dtype)
-
-
-def swap_to_bf16_gemv(model: nn.Module) -> int:
-    """Replace every bf16 ``nn.Linear`` of ``model`` by :class:`Bf16GemvLinear`; returns the
-    count (0 where the kernel is unavailable)."""
-    if bf16_gemv_module() is None:
-        return 0
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if type(mod) is nn.Linear and mod.weight.dtype == torch.bfloat16]
-    for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Bf16GemvLinear(mod))
-    return len(targets)
-
-
 def wants_fp32_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model in ``dtype`` on ``device`` runs its dense layers as
     :class:`Fp32GemmLinear`: on CPU, for fp32 models (for :func:`cpu_linear`'s row padding)

@@ -73,13 +73,15 @@ class Checkpoint:
 
         Args:
             dtype: target floating point dtype, e.g. ``torch.bfloat16``.
-            progress: show a tqdm progress bar (one step per tensor).
+            progress: show a tqdm progress bar (one step per tensor) where stderr is a
+                terminal; none where it is a file or a pipe (a log of ``serve`` would hold
+                its workers' bars interleaved).
         """
         with tqdm(
             total=self.num_tensors,
             desc=f"Loading {self.path.name}",
             unit="tensor",
-            disable=not progress,
+            disable=None if progress else True,  # None: tqdm's own check for a terminal
         ) as bar:
             for name, tensor in self.source.iter_tensors():
                 yield name, tensor.to(dtype)

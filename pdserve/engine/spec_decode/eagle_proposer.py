@@ -34,7 +34,8 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.layers.linear import swap_to_bf16_gemv, swap_to_fp32_gemm, wants_fp32_gemm
+from pdserve.engine.kernels.cpu_gemv import swap_to_bf16_gemv
+from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.model_runner import StepHidden
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
