@@ -163,8 +163,8 @@ def draining_server(config, state, grace_s: float):
 
         async def _drain(self) -> None:
             n = state.router.num_inflight
-            print(f"pdserve: draining: {n} requests in flight, up to {grace_s:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(f"pdserve: draining: {n} request{'s' * (n != 1)} in flight, up to "
+                  f"{grace_s:.0f} s", file=sys.stderr, flush=True)
             deadline = time.monotonic() + grace_s
             while state.router.num_inflight and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
