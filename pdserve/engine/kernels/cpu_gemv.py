@@ -17,6 +17,8 @@ AVX2/FMA/F16C, :func:`bf16_gemv_module` is None and callers keep ``F.linear``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,7 +55,35 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     module = bf16_gemv_module()
     if module is None:
         raise RuntimeError("the AVX2 bf16 GEMV kernel is not available on this machine")
-    return module.gemv(weight, x.float().contiguous()).to(x.dtype)
+    return gemv_linear(x, weight)
+
+
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` through the kernel, fp32 accumulation, in ``x.dtype``.
+
+    Args:
+        x: ``[M, K]``, ``1 <= M <=`` :data:`MAX_GEMV_ROWS`, any float dtype.
+        weight: ``[N, K]`` bf16, contiguous; bias: ``[N]`` or None.
+
+    Raises:
+        AttributeError: the kernel is unavailable (check :func:`bf16_gemv_module` first).
+    """
+    y = bf16_gemv_module().gemv(weight.detach(), x.float().contiguous())
+    return (y if bias is None else y.add_(bias)).to(x.dtype)
+
+
+def replace_linears(model: nn.Module, pick: Callable[[nn.Linear], bool],
+                    make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace each ``nn.Linear`` of ``model`` that ``pick`` accepts by ``make(layer)``;
+    returns the count."""
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and pick(mod)]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make(mod))
+    return len(targets)
 
 
 class Bf16GemvLinear(nn.Linear):
@@ -78,12 +108,10 @@ class Bf16GemvLinear(nn.Linear):
         """``x [num_tokens, in_features] -> [num_tokens, out_features]`` in ``x.dtype``: the
         kernel (fp32 accumulation) for bf16 inputs of at most
         :data:`MAX_GEMV_ROWS` rows, else ``F.linear``."""
-        kernel = bf16_gemv_module()
-        if (kernel is None or x.dtype != torch.bfloat16 or x.dim() != 2
-                or not 0 < x.shape[0] <= MAX_GEMV_ROWS):
+        if (x.dtype != torch.bfloat16 or x.dim() != 2 or not 0 < x.shape[0] <= MAX_GEMV_ROWS
+                or bf16_gemv_module() is None):
             return F.linear(x, self.weight, self.bias)
-        y = kernel.gemv(self.weight.detach().contiguous(), x.float().contiguous())
-        return (y if self.bias is None else y.add_(self.bias)).to(x.dtype)
+        return gemv_linear(x, self.weight, self.bias)
 
 
 def swap_to_bf16_gemv(model: nn.Module) -> int:
@@ -91,10 +119,6 @@ def swap_to_bf16_gemv(model: nn.Module) -> int:
     count (0 where the kernel is unavailable)."""
     if bf16_gemv_module() is None:
         return 0
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if type(mod) is nn.Linear and mod.weight.dtype == torch.bfloat16]
-    for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Bf16GemvLinear(mod))
-    return len(targets)
+    return replace_linears(
+        model, lambda m: type(m) is nn.Linear and m.weight.dtype == torch.bfloat16,
+        Bf16GemvLinear)

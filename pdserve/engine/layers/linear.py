@@ -29,7 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels.cpu_gemv import MAX_GEMV_ROWS, bf16_gemv_module
+from pdserve.engine.kernels.cpu_gemv import (
+    MAX_GEMV_ROWS,
+    bf16_gemv_module,
+    gemv_linear,
+    replace_linears,
+)
 
 #: bf16 inputs with at most this many rows (a decode step at batch 1-2) run as a bf16 GEMM
 #: even where the CPU has no native bf16: oneDNN's bf16 GEMV reads half the bytes of the
@@ -141,8 +146,7 @@ class Fp32GemmLinear(nn.Linear):
             copies = self.bf16_weights()
             if kernel is None:
                 return F.linear(x, *copies)
-            y = kernel.gemv(copies[0], x.float().contiguous())
-            return (y if copies[1] is None else y.add_(copies[1])).to(x.dtype)
+            return gemv_linear(x, *copies)
         return cpu_linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
@@ -155,12 +159,7 @@ def wants_fp32_gemm(device: torch.device, dtype: torch.dtype) -> bool:
 
 def swap_to_fp32_gemm(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by :class:`Fp32GemmLinear`; returns the count."""
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and not isinstance(mod, Fp32GemmLinear)]
-    if any(mod.weight.dtype == torch.bfloat16 for _, mod in targets):
+    if any(isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16
+           for m in model.modules()):
         bf16_gemv_module()  # build (once per machine) or load the decode GEMV kernel now
-    for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp32GemmLinear(mod))
-    return len(targets)
+    return replace_linears(model, lambda m: not isinstance(m, Fp32GemmLinear), Fp32GemmLinear)
