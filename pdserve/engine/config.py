@@ -48,23 +48,18 @@ class EngineConfig:
     of :mod:`pdserve.engine.quantization`; ``quantization_skip`` lists layer name patterns
     kept in 16-bit (``("lm_head", "layers.0")``).
 
-    ``speculative_draft_confidence`` (model drafters only; 0 = off) ends a request's draft
-    chain early once the product of the drafter's probabilities of its drafted tokens falls
-    below it: EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with
-    Dynamic Draft Trees", sec. 4.1) shows that this product approximates the chance that
-    the target accepts the whole chain, so drafting further mostly costs draft steps and
-    verification rows. The token that fell below is still proposed. Output is unchanged
-    (verification alone decides what is emitted).
+    ``speculative_draft_confidence`` (model drafters only; 0 = off) ends a draft chain once
+    the product of the drafter's probabilities of its tokens falls below it (EAGLE-2, Li et
+    al. 2024, sec. 4.1: it approximates the chance that the target accepts the whole chain);
+    the token that fell below is still proposed, and verification alone decides the output.
 
     ``num_speculative_tokens`` (None: :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`) drafts per step.
 
     ``speculative_disable_by_batch_size`` (0 = never; None = the method's default in
     :data:`DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE`) drafts nothing in a step after which at least
-    this many requests are running: a large batch already fills the GEMMs that made
-    verification nearly free at small batches, so drafts there cost more than they save
-    (vLLM's option of the same name). Model drafters still ingest the step's tokens, so
-    their caches stay complete for when the batch shrinks again.
-    :attr:`spec_disable_batch_size` is the resolved value.
+    this many requests are running (a large batch already fills the GEMMs that made
+    verification nearly free; vLLM's option of the same name). Model drafters still ingest
+    the step's tokens. :attr:`spec_disable_batch_size` is the resolved value.
 
     ``speculative_adaptive`` (default on; :attr:`spec_adaptive` resolved): below the cap,
     :class:`~pdserve.engine.spec_decode.governor.SpecGovernor` drafts only where drafting

@@ -24,11 +24,7 @@ from pdserve.engine.sample.logprobs import prompt_logprobs, token_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode.rejection_sampler import RejectionSampler
 from pdserve.engine.step_inputs import StepInputs
-from pdserve.engine.structured_output import (
-    StepMasks,
-    StructuredOutputManager,
-    apply_token_bitmask,
-)
+from pdserve.engine.structured_output import StepMasks, StructuredOutputManager, apply_token_bitmask
 from pdserve.engine.quantization import load_model_weights, prepare_cpu_gemms, weight_memory
 
 

@@ -1,11 +1,12 @@
 """Continuous-batching scheduler with chunked prefill and preemption by recompute.
 
 Each step has a token budget (``max_num_batched_tokens``). Running decodes are scheduled
-first (one token each), then running requests still prefilling (chunked), then waiting
-requests in arrival order while the budget, ``max_num_seqs`` and free blocks allow. A
-request gets blocks for all of its current tokens when admitted; decodes then grow one
-slot at a time. When a decode cannot get a block, the newest running request is preempted:
-its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
+first (one token each), then running prefills (a prompt longer than the budget in that many
+even chunks), then waiting requests in arrival order while the budget, ``max_num_seqs`` and
+free blocks allow. A request gets blocks for all of its current tokens when admitted;
+decodes then grow one slot at a time. When a decode cannot get a block, the newest running
+request is preempted: its blocks are freed and it goes back to the front of the waiting
+queue to be recomputed.
 
 Speculative decoding: a decode carrying ``k`` draft tokens is scheduled as ``1 + k`` tokens
 (the last sampled token plus the drafts, all verified in one pass). Drafts are dropped (a
@@ -167,6 +168,14 @@ class Scheduler:
         out.scheduled.extend(verifying)
         return budget
 
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of ``req``'s prefill to run now: all left if they fit one step, else an even
+        share of the fewest steps (rounded up to 32 rows, the GEMM padding), at most ``budget``
+        (2-core Xeon, 3,000 tokens: 2,048 + 952 took 700-721 ms, 1,504 + 1,496 660-690)."""
+        left, cap = req.num_tokens - req.num_computed_tokens, self.max_num_batched_tokens
+        steps = max(1, -(-left // cap))
+        return min(left, budget, cap, (-(-left // steps) + 31) // 32 * 32)
+
     def _schedule_prefill_chunks(self, out: SchedulerOutput, prefilling: list[Request],
                                  budget: int) -> int:
         """The next chunk of each running prefill; returns the budget left."""
@@ -175,7 +184,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, budget)
             out.scheduled.append(ScheduledRequest(req, num_new))
             out.num_prefill_tokens += num_new
             budget -= num_new
@@ -198,7 +207,7 @@ class Scheduler:
             if req.num_cached_tokens == 0 and req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
             self.running.append(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, budget)
             scheduled = ScheduledRequest(req, num_new)
             if num_new == 1 and out.num_decodes == len(out.scheduled):  # no verifying ones
                 out.num_decodes += 1  # a one-token prefill can ride the decode path
