@@ -78,7 +78,7 @@ URGENT_FINISH_S = 0.15
 URGENT_POLL_S = 0.005
 
 #: Most tokens in a decode worker's step while a prefill worker waits for the cores (the
-#: running decodes always go; a short prompt's prefill goes in chunks of what is left):
+#: running decodes always go; a short prompt's prefill goes in chunks that fit the rest):
 #: 256 lets a W3 short prompt (64-256 tokens) in within one pause (measured above).
 YIELD_STEP_TOKENS = 256
 

@@ -254,9 +254,10 @@ sys.stdin.read()
 def test_a_decode_step_while_a_prefill_worker_waits_takes_at_most_the_yield_budget(tmp_path):
     """The decode worker's step, on the real engine of the default model: while another
     process holds the gate (a prefill worker waiting to go on with a long prompt), a
-    300-token prompt gets only what YIELD_STEP_TOKENS leaves after the two running decodes,
-    the decodes still get their tokens, and the step budget is the configured one again
-    after; with nobody waiting the rest of the prompt goes in one step."""
+    300-token prompt gets at most what YIELD_STEP_TOKENS leaves after the two running
+    decodes (an even chunk of the two steps it needs at that budget), the decodes still get
+    their tokens, and the step budget is the configured one again after; with nobody
+    waiting the rest of the prompt goes in one step."""
     engine = LLM(None, dtype="bfloat16", load_progress=False).engine
     worker = SimpleNamespace(engine=engine, core_turns=CoreTurns(tmp_path))
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -273,7 +274,8 @@ def test_a_decode_step_while_a_prefill_worker_waits_takes_at_most_the_yield_budg
     finally:
         holder.communicate("", timeout=30)
     assert sorted(d.request_id for d in deltas) == ["d0", "d1"]
-    assert engine.requests["long"].num_computed_tokens == YIELD_STEP_TOKENS - 2
+    # 300 tokens in two steps of at most 256: 150 each, rounded up to 32 rows
+    assert engine.requests["long"].num_computed_tokens == 160 <= YIELD_STEP_TOKENS - 2
     assert engine.scheduler.max_num_batched_tokens == budget
     deltas = DecodeWorker.engine_step(worker)
     assert engine.requests["long"].num_computed_tokens == 300
