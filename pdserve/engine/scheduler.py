@@ -1,12 +1,12 @@
 """Continuous-batching scheduler with chunked prefill and preemption by recompute.
 
 Each step has a token budget (``max_num_batched_tokens``). Running decodes are scheduled
-first (one token each), then running prefills (a prompt longer than the budget in that many
-even chunks), then waiting requests in arrival order while the budget, ``max_num_seqs`` and
-free blocks allow. A request gets blocks for all of its current tokens when admitted;
-decodes then grow one slot at a time. When a decode cannot get a block, the newest running
-request is preempted: its blocks are freed and it goes back to the front of the waiting
-queue to be recomputed.
+first (one token each), then running prefills (a prompt longer than the budget in even
+chunks, as few as hold it), then waiting requests in arrival order while the budget,
+``max_num_seqs`` and free blocks allow. A request gets blocks for all of its current tokens
+when admitted; decodes then grow one slot at a time. When a decode cannot get a block, the
+newest running request is preempted: its blocks are freed and it goes back to the front of
+the waiting queue to be recomputed.
 
 Speculative decoding: a decode carrying ``k`` draft tokens is scheduled as ``1 + k`` tokens
 (the last sampled token plus the drafts, all verified in one pass). Drafts are dropped (a
