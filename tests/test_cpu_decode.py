@@ -202,7 +202,11 @@ def test_fused_prefill_chunks_in_amx_tiles_match_the_eager_model(tmp_path, monke
     """A random-weight Llama with head_dim 64 on an AMX CPU: a fused step of two decodes, a
     40-token chunk after 300 cached positions, a 100-token prompt and a 16-token one (its
     prefill runs in one call of the AMX kernel) gives the eager bf16 model's hidden states
-    and K/V within bf16 rounding, as the same step with torch's flash attention does."""
+    and K/V within bf16 rounding, as the same step with torch's flash attention does.
+    (The second layer's K/V amplify the first's attention differences; with this test's
+    weights drawn from seeds 0-5 the largest K/V difference past rtol was 0.042 for the
+    kernel, 0.053 for its polynomial-2^x predecessor, 0.037 for torch's kernel, which keeps
+    the probabilities in fp32: atol 6e-2, as for the hidden states.)"""
     import transformers
 
     _amx_module()
@@ -237,7 +241,7 @@ def test_fused_prefill_chunks_in_amx_tiles_match_the_eager_model(tmp_path, monke
         ref = runner.model(ids, pos, runner.kv_caches, meta)
     for hidden, kv in outputs.values():
         torch.testing.assert_close(hidden.float(), ref.float(), rtol=2e-2, atol=6e-2)
-        torch.testing.assert_close(kv.float(), runner.kv_cache.float(), rtol=2e-2, atol=4e-2)
+        torch.testing.assert_close(kv.float(), runner.kv_cache.float(), rtol=2e-2, atol=6e-2)
 
 
 @pytest.mark.parametrize("k", [96, 608])  # 3 and 19 blocks: pairs and a tail block

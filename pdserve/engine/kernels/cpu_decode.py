@@ -63,11 +63,13 @@ _AVX512 = (_AVX2[0] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-
                        "-mavx512vnni"],
            _AVX2[1] | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"})
 #: The builds, best first: ``name -> (compiler flags, CPU flags needed)``. The AMX one is
-#: the AVX512-BF16 one plus AMX tiles for bf16 GEMMs of up to 32 rows; the AVX512-BF16
+#: the AVX512-BF16 one plus AMX tiles for bf16 GEMMs of up to 32 rows and prefill attention
+#: (and AVX512-VBMI's byte permutes, which every AMX CPU has); the AVX512-BF16
 #: one multiplies bf16 GEMVs and attention scores with ``vdpbf16ps`` (32 bf16 products
 #: per instruction against AVX2's 8 fp32 FMAs after a conversion).
 BUILDS = {
-    "amx": (_AVX512[0] + ["-mamx-tile", "-mamx-bf16"], _AVX512[1] | {"amx_tile", "amx_bf16"}),
+    "amx": (_AVX512[0] + ["-mamx-tile", "-mamx-bf16", "-mavx512vbmi"],
+            _AVX512[1] | {"amx_tile", "amx_bf16", "avx512vbmi"}),
     "avx512_bf16": _AVX512,
     "avx2": _AVX2,
 }
