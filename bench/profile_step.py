@@ -21,7 +21,10 @@ engine is changed for it):
 
 Prints per scenario: wall time per step, tokens/s, each part's ms and share, and the top
 operators by self CPU time. ``--json FILE`` writes the figures. Prefill throughput of the
-long prompts against the 32 x 128 batch is the ratio the speed issue asks for (>= 0.8).
+long prompts against the 32 x 128 batch is the ratio the speed issue asks for (>= 0.8):
+printed from the scenarios' own figures, then (``--ratio-rounds``) as the median over rounds
+that run the batch and the long prompts one after another, which the host's drift between
+scenarios does not skew.
 
     python bench/profile_step.py [--dtype bfloat16] [--threads 2] [--scenarios ...]
 """
@@ -61,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="engine token budget per step, as served (default: 2048); the "
                         "32 x 128 scenario raises it to 4096 so the batch is one step")
+    p.add_argument("--ratio-rounds", type=int, default=6,
+                   help="rounds of the long prompts and the 32 x 128 batch run one after "
+                        "another for the ratios (default: 6; 0: from the scenarios alone)")
     p.add_argument("--top-ops", type=int, default=8, help="operators listed per scenario")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = p.parse_args()
@@ -318,6 +324,46 @@ def run_scenario(name: str, args, llm, rng, codec, tokenizer) -> dict:
     return result
 
 
+def alternating_ratios(engine, rng, lengths: list[int], args) -> dict:
+    """Prefill throughput of one prompt of each length over the 32 x 128 batch's, from runs
+    taken one after another (batch, each length; ``args.ratio_rounds`` rounds): the host's
+    speed drifts between the scenarios' own blocks. Prints and returns the median ratio
+    per length and every round's."""
+    from pdserve.engine import SamplingParams
+
+    vocab = engine.arch.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def prefill_seconds(batch: int, plen: int) -> float:
+        engine.scheduler.max_num_batched_tokens = (
+            max(batch * plen, args.max_num_batched_tokens) if batch > 1
+            else args.max_num_batched_tokens)
+        ids = [f"alt-{rng.random()}" for _ in range(batch)]
+        for rid in ids:
+            engine.add_request(rid, random_prompt(rng, vocab, plen), params)
+        t0 = time.perf_counter()
+        while engine.scheduler.num_waiting or any(
+                r.num_output_tokens == 0 for r in engine.requests.values()):
+            engine.step()
+        seconds = time.perf_counter() - t0
+        for rid in ids:
+            engine.abort_request(rid)
+        return seconds
+
+    rounds = {n: [] for n in lengths}
+    for _ in range(args.ratio_rounds):
+        batch_rate = 32 * 128 / prefill_seconds(32, 128)
+        for n in lengths:
+            rounds[n].append(n / prefill_seconds(1, n) / batch_rate)
+    out = {}
+    for n, rs in rounds.items():
+        median = sorted(rs)[len(rs) // 2]
+        out[f"prefill-{n}"] = {"median": median, "rounds": rs}
+        print(f"prefill-{n}, {len(rs)} alternating rounds: median {median:.2f}x the batch "
+              f"(rounds {' '.join(f'{r:.2f}' for r in rs)})")
+    return out
+
+
 def print_result(r: dict) -> None:
     print(f"\n== {r['scenario']}: {r['ms_per_step']:.1f} ms/step over {r['steps']} step(s), "
           f"{r['tokens_per_s']:.0f} tok/s (profiled run {r['profiled_ms_per_step']:.1f} ms/step)")
@@ -355,17 +401,21 @@ def main() -> None:
         print_result(r)
         results.append(r)
     by = {r["scenario"]: r for r in results}
+    ratios = {}
     if "prefill-32x128" in by:
         base = by["prefill-32x128"]["tokens_per_s"]
         for n in ("prefill-1500", "prefill-3000"):
             if n in by:
                 print(f"\n{n}: {by[n]['tokens_per_s']:.0f} tok/s = "
                       f"{by[n]['tokens_per_s'] / base:.2f}x the 32 x 128 batch ({base:.0f} tok/s)")
+        long_ones = [int(n.split("-")[1]) for n in ("prefill-1500", "prefill-3000") if n in by]
+        if long_ones and args.ratio_rounds > 0:
+            ratios = alternating_ratios(llm.engine, rng, long_ones, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
                        "dtype": args.dtype, "quantization": args.quantization,
-                       "results": results}, f, indent=1)
+                       "results": results, "alternating_ratios": ratios}, f, indent=1)
 
 
 if __name__ == "__main__":
