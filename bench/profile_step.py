@@ -27,6 +27,7 @@ that run the batch and the long prompts one after another, which the host's drif
 scenarios does not skew.
 
     python bench/profile_step.py [--dtype bfloat16] [--threads 2] [--scenarios ...]
+                                 [--ratio-rounds 6]
 """
 
 from __future__ import annotations
