@@ -174,6 +174,32 @@ def test_amx_prefill_attention_with_scores_spanning_fp32s_range():
                                rtol=0, atol=0)
 
 
+def test_amx_prefill_attention_probabilities_hit_every_mantissa_entry_within_bound():
+    """The kernel's probabilities are bf16 bits from 2^x rounded to 1/128 of a power of 2
+    and a 128-entry mantissa correction (MANT_FIX): one query sees key 0 (score 0, value
+    e0) and key 1 (score 0.125 a, value 0), so its output's first dimension is p / (1 + p)
+    with p = 2^-x. x swept over 8 powers of 2 in steps of 1/128 (every table entry, once
+    per power) keeps within 0.65 % of p (the entry's bound) plus the output's bf16 rounding
+    (0.39 %), unbiased on average; x = 0 gives exactly 1/2."""
+    import math
+
+    mod = _amx_module()
+    heads = 1025
+    x = torch.arange(heads - 1, dtype=torch.float64) / 128 + 1 / 512
+    a = torch.cat([torch.zeros(1), x / (0.125 * math.log2(math.e))]).bfloat16()
+    xs = a.double() * 0.125 * math.log2(math.e)  # the powers of 2 the bf16 scores give
+    assert len(set((xs[1:] * 128).round().long().remainder(128).tolist())) == 128
+    q = torch.zeros(2, heads, 64, dtype=torch.bfloat16)
+    k, v = torch.zeros_like(q), torch.zeros_like(q)
+    q[1, :, 0], k[1, :, 0], v[0, :, 0] = a, 1, 1
+    out = mod.amx_prefill_attention(q, k, v, 0, 0.125)[1, :, 0].double()
+    p = torch.exp2(-xs)
+    rel = out / (p / (1 + p)) - 1
+    assert out[0] == 0.5
+    assert rel.abs().max() < 0.0065 + 0.0039, rel.abs().max()
+    assert abs(rel.mean()) < 5e-4
+
+
 def test_amx_prefill_attention_when_later_keys_outscore_the_first_block():
     """Scores that grow along the keys (keys scaled up with their position), so a query's
     max passes the first block's by far more than the kernel's lazy threshold (2^16) again
