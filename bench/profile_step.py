@@ -191,6 +191,24 @@ def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(1000, vocab) for _ in range(n)]
 
 
+def prefill_budget(batch: int, plen: int, args) -> int:
+    """A prefill scenario's step budget: the 32 x 128 batch is one step (4,096 tokens),
+    everything else runs as served (``--max-num-batched-tokens``)."""
+    return max(batch * plen, args.max_num_batched_tokens) if batch > 1 \
+        else args.max_num_batched_tokens
+
+
+def prefill_steps(engine) -> tuple[float, int, list]:
+    """Run the steps until every request has its first token; (seconds, steps, deltas)."""
+    t0 = time.perf_counter()
+    steps, deltas = 0, []
+    while engine.scheduler.num_waiting or any(
+            r.num_output_tokens == 0 for r in engine.requests.values()):
+        deltas = engine.step()
+        steps += 1
+    return time.perf_counter() - t0, steps, deltas
+
+
 def run_scenario(name: str, args, llm, rng, codec, tokenizer) -> dict:
     from pdserve.engine import SamplingParams
     from pdserve.messages import StepOutputs
@@ -203,10 +221,8 @@ def run_scenario(name: str, args, llm, rng, codec, tokenizer) -> dict:
         batch, plen = (32, 128) if size == "32x128" else (1, int(size))
     else:
         batch, plen = int(size), 128
-    # the 32 x 128 batch is one step (4,096 tokens); everything else runs as served
     engine.scheduler.max_num_batched_tokens = (
-        max(batch * plen, args.max_num_batched_tokens) if kind == "prefill" and batch > 1
-        else args.max_num_batched_tokens)
+        prefill_budget(batch, plen, args) if kind == "prefill" else args.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=4096 - plen - 8, ignore_eos=True)
     counter = [0]
 
@@ -223,27 +239,17 @@ def run_scenario(name: str, args, llm, rng, codec, tokenizer) -> dict:
         for rid in ids:
             engine.abort_request(rid)
 
-    def prefill_steps() -> tuple[float, int, list]:
-        """Run the steps until every request has its first token; (seconds, steps, deltas)."""
-        t0 = time.perf_counter()
-        steps, deltas = 0, []
-        while engine.scheduler.num_waiting or any(
-                r.num_output_tokens == 0 for r in engine.requests.values()):
-            deltas = engine.step()
-            steps += 1
-        return time.perf_counter() - t0, steps, deltas
-
     def one_run(profiled: bool):
         ids = fresh_requests()
         if kind == "prefill":
             if profiled:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    seconds, steps, deltas = prefill_steps()
+                    seconds, steps, deltas = prefill_steps(engine)
             else:
                 prof = None
-                seconds, steps, deltas = prefill_steps()
+                seconds, steps, deltas = prefill_steps(engine)
         else:
-            prefill_steps()
+            prefill_steps(engine)
             for _ in range(2):  # warm the decode shape
                 engine.step()
             fused = getattr(engine.runner.fused_decode, "decoder", None)
@@ -336,17 +342,11 @@ def alternating_ratios(engine, rng, lengths: list[int], args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def prefill_seconds(batch: int, plen: int) -> float:
-        engine.scheduler.max_num_batched_tokens = (
-            max(batch * plen, args.max_num_batched_tokens) if batch > 1
-            else args.max_num_batched_tokens)
+        engine.scheduler.max_num_batched_tokens = prefill_budget(batch, plen, args)
         ids = [f"alt-{rng.random()}" for _ in range(batch)]
         for rid in ids:
             engine.add_request(rid, random_prompt(rng, vocab, plen), params)
-        t0 = time.perf_counter()
-        while engine.scheduler.num_waiting or any(
-                r.num_output_tokens == 0 for r in engine.requests.values()):
-            engine.step()
-        seconds = time.perf_counter() - t0
+        seconds = prefill_steps(engine)[0]
         for rid in ids:
             engine.abort_request(rid)
         return seconds
