@@ -1075,7 +1075,9 @@ struct Layer {
 
 }  // namespace
 
-// The model's decoder stack, its weights referenced (not copied) from the torch model.
+// The model's decoder stack, its weights referenced (not copied) from the torch model. An
+// empty final norm or layer input norm is none: the hidden states go on as they are (an
+// EAGLE-1 head's one layer, whose input is its fc output and whose output is not normed).
 class FusedDecoder {
   public:
     FusedDecoder(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -1203,13 +1205,15 @@ class FusedDecoder {
             }
             {
                 Timed t(part(NORM_ACT));
-                rmsnorm(res.data(), layers_[l].input_norm, M, H_, eps_, x.data());
+                if (layers_[l].input_norm.empty()) x = res;  // none (an EAGLE-1 head's layer)
+                else rmsnorm(res.data(), layers_[l].input_norm, M, H_, eps_, x.data());
             }
             layer(layers_[l], l, st, M, x, h, res);
             if (layer_done) layer_done(l);  // layer l's K/V are in the cache
         }
         add_round_rows(h.data(), res.data(), res.data(), M, H_);
-        rmsnorm(res.data(), final_norm_, M, H_, eps_, x.data());
+        if (final_norm_.empty()) x = res;  // none (an EAGLE-1 head)
+        else rmsnorm(res.data(), final_norm_, M, H_, eps_, x.data());
         auto out = torch::empty({M, H_}, torch::kBFloat16);
         auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
         for (int64_t i = 0; i < M * H_; ++i) O[i] = bf16_bits(x[i]);

@@ -41,6 +41,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode.eagle import load_eagle_model
 from pdserve.engine.spec_decode.eagle_config import EagleConfig
+from pdserve.engine.spec_decode.fused_eagle import FusedEagleLayer
 from pdserve.engine.spec_decode.model_proposer import ModelProposer, _Draft
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,9 @@ class EagleProposer(ModelProposer):
         super().__init__(config, runner, block_manager, max_model_len,
                          model.num_layers, model.num_kv_heads, model.head_dim)
         self.model = model
+        #: the head's layer in the fused CPU kernel for decode-sized steps, or None
+        self.fused = (FusedEagleLayer.build(model, self.kv_cache)
+                      if runner.device.type == "cpu" and runner.dtype == torch.bfloat16 else None)
         self.target_aux_layer_ids = tuple(model.aux_layer_ids)  # eagle3: fused layers
         self.disable_batch_size = config.spec_disable_batch_size  # 0: draft at any batch size
         self._stashes: weakref.WeakKeyDictionary[Request, _Stash] = weakref.WeakKeyDictionary()
@@ -193,8 +197,11 @@ class EagleProposer(ModelProposer):
     def _ingest_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return self.model.combine_target_hidden(self.step_hidden.features[rows])
 
-    def _forward(self, input_ids, positions, hidden, metadata) -> torch.Tensor:
-        return self.model(input_ids, hidden, positions, self.kv_caches, metadata)
+    def _forward(self, input_ids, positions, hidden, inputs) -> torch.Tensor:
+        if self.fused is not None and self.fused.can_run(input_ids.shape[0], hidden):
+            return self.fused.run(input_ids, positions, hidden, inputs)
+        return self.model(input_ids, hidden, positions, self.kv_caches,
+                          self.runner.backend.build_metadata(inputs))
 
     def _chain_hidden(self, out_hidden: torch.Tensor) -> torch.Tensor:
         return out_hidden

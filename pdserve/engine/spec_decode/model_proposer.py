@@ -95,8 +95,9 @@ class ModelProposer:
         raise NotImplementedError
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 hidden: torch.Tensor | None, metadata) -> torch.Tensor:
-        """``[N]`` ids/positions (+ ``[N, H]`` hidden for EAGLE) -> ``[N, H]`` drafter states."""
+                 hidden: torch.Tensor | None, inputs: AttentionInputs) -> torch.Tensor:
+        """``[N]`` ids/positions (+ ``[N, H]`` hidden for EAGLE) -> ``[N, H]`` drafter states;
+        ``inputs``: the step's attention inputs (the drafter builds its own metadata)."""
         raise NotImplementedError
 
     def _ingest_hidden(self, rows: torch.Tensor) -> torch.Tensor:
@@ -240,17 +241,17 @@ class ModelProposer:
                 hidden_rows.extend(p.hidden_rows)
             last_rows.append(len(ids) - 1)
         query_lens = [p.ingest_end - p.ingest_start for p in plans]
-        meta = self.runner.backend.build_metadata(AttentionInputs(
+        inputs = AttentionInputs(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_lens=query_lens, seq_lens=[p.ingest_end for p in plans],
             block_tables=[p.request.block_table for p in plans],
             num_decodes=sum(1 for n in query_lens if n == 1),
-            block_size=self.block_size))
+            block_size=self.block_size)
         hidden = None
         if hidden_rows:
             hidden = self._ingest_hidden(torch.tensor(hidden_rows, dtype=torch.int64, device=dev))
         out = self._forward(torch.tensor(ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev), hidden, meta)
+                            torch.tensor(positions, dtype=torch.int64, device=dev), hidden, inputs)
         return out[torch.tensor(last_rows, dtype=torch.int64, device=dev)]
 
     def _run_chain(self, plans: list[_Draft], tokens: list[int], step: int,
@@ -259,13 +260,13 @@ class ModelProposer:
         dev = self.runner.device
         positions = [self._last_draft_position(p.request, step + 1) for p in plans]
         slots = [self._slots(p.request, [pos])[0] for p, pos in zip(plans, positions)]
-        meta = self.runner.backend.build_metadata(AttentionInputs(
+        inputs = AttentionInputs(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_lens=[1] * len(plans), seq_lens=[pos + 1 for pos in positions],
             block_tables=[p.request.block_table for p in plans], num_decodes=len(plans),
-            block_size=self.block_size))
+            block_size=self.block_size)
         return self._forward(torch.tensor(tokens, dtype=torch.int64, device=dev),
-                             torch.tensor(positions, dtype=torch.int64, device=dev), hidden, meta)
+                             torch.tensor(positions, dtype=torch.int64, device=dev), hidden, inputs)
 
     def _sample(self, hidden: torch.Tensor, smeta: SamplingMetadata,
                 ) -> tuple[list[int], list[torch.Tensor | None], list[float] | None]:
@@ -380,8 +381,9 @@ class DraftModelProposer(ModelProposer):
         # ingest reaches position T - 1; drafts 1 .. n-1 are written at T .. T + n - 2
         return request.num_tokens + num_drafts - 2
 
-    def _forward(self, input_ids, positions, hidden, metadata) -> torch.Tensor:
-        return self.model(input_ids, positions, self.kv_caches, metadata)
+    def _forward(self, input_ids, positions, hidden, inputs) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches,
+                          self.runner.backend.build_metadata(inputs))
 
     def _after_propose(self, draft: _Draft, tokens: list[int]) -> None:
         # K/V of tokens[:-1] is written at positions ingest_end ...
