@@ -91,6 +91,18 @@ def _bias(mod: nn.Module) -> torch.Tensor:
     return torch.empty(0) if bias is None else bias.detach().to(torch.bfloat16).float()
 
 
+def step_tables(block_tables: list[list[int]], query_lens: list[int],
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel's view of a step's requests: ``tables [R, max blocks]`` int64 (each
+    request's block ids, zero-padded) and ``rows [num_tokens]`` int64 (each token's request)."""
+    tables = torch.zeros((len(block_tables), max(len(bt) for bt in block_tables)),
+                         dtype=torch.int64)
+    for i, bt in enumerate(block_tables):
+        tables[i, :len(bt)] = torch.tensor(bt, dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+    return tables, rows
+
+
 def _norm_weight(norm: nn.Module | None) -> torch.Tensor:
     """A bf16 RMSNorm's weight as the eager model multiplies by it (bf16 values)."""
     if norm is None:
@@ -252,12 +264,7 @@ class FusedCpuDecode:
         Raises:
             RuntimeError: a position, slot or context outside the tables (the kernel checks).
         """
-        width = max(len(bt) for bt in block_tables)
-        tables = torch.zeros((len(block_tables), width), dtype=torch.int64)
-        for i, bt in enumerate(block_tables):
-            tables[i, :len(bt)] = torch.tensor(bt, dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(len(query_lens)),
-                                       torch.tensor(query_lens))
+        tables, rows = step_tables(block_tables, query_lens)
         embeds = self.model.model.embed_tokens(input_ids)
         hooks = ([layer_done] if layer_done is not None else []) + self.between_layers
         hidden, aux = self.decoder.forward(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention.base import AttentionInputs
-from pdserve.engine.compiled.fused_decode import _bias, _norm_weight
+from pdserve.engine.compiled.fused_decode import _bias, _norm_weight, step_tables
 from pdserve.engine.kernels.cpu_decode import MAX_FUSED_TOKENS, bf16_segment, cpu_decode_module
 from pdserve.engine.spec_decode.eagle1_head import Eagle1DraftModel
 
@@ -88,12 +88,7 @@ class FusedEagleLayer:
         """
         embeds = self.head.target.model.embed_tokens(input_ids).to(hidden.dtype)
         x = self.head.fc(torch.cat([embeds, hidden], dim=-1))
-        tables = inputs.block_tables
-        table = torch.zeros((len(tables), max(len(bt) for bt in tables)), dtype=torch.int64)
-        for i, bt in enumerate(tables):
-            table[i, :len(bt)] = torch.tensor(bt, dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(len(inputs.query_lens)),
-                                       torch.tensor(inputs.query_lens))
+        table, rows = step_tables(inputs.block_tables, inputs.query_lens)
         out, _ = self.decoder.forward(x.to(torch.bfloat16), positions, inputs.slot_mapping,
                                       table, rows, self.kv_cache, [], None)
         return out
