@@ -297,6 +297,14 @@ def test_eagle_stash_while_not_drafting_keeps_output_and_acceptance(monkeypatch)
     prompts = [plain.tokenizer.encode(t) for t in texts]
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, detokenize=False)]
     accepted = {}
+    catch_ups = []  # seconds of each proposal's catch-up pass over stashed positions
+    plan = eagle_proposer.EagleProposer._plan
+
+    def recording_plan(self, *args):
+        plans = plan(self, *args)
+        catch_ups.append(self.catch_up_s)
+        return plans
+    monkeypatch.setattr(eagle_proposer.EagleProposer, "_plan", recording_plan)
     for max_stash in (eagle_proposer.MAX_STASH, 0):
         monkeypatch.setattr(eagle_proposer, "MAX_STASH", max_stash)
         llm = LLM(None, dtype="float32", load_progress=False, speculative_method="eagle",
@@ -306,6 +314,9 @@ def test_eagle_stash_while_not_drafting_keeps_output_and_acceptance(monkeypatch)
         assert got == expected
         stats = llm.engine.spec_stats
         accepted[max_stash] = (stats.num_drafts, stats.num_accepted_tokens)
+        if max_stash:  # resuming drafts ran a catch-up pass (the governor times it apart)
+            assert any(catch_ups)
+        catch_ups.clear()
         assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
     print(f"(drafts, accepted) with a stash / ingesting every step: {accepted}")
     stashed, eager = accepted[eagle_proposer.MAX_STASH], accepted[0]

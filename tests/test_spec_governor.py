@@ -32,12 +32,13 @@ def _drive(governor: SpecGovernor, steps: int, on_rate, off_rate, batch: int = 1
 def test_drafts_first_then_keeps_the_faster_mode_and_probes_rarely():
     slower = _drive(SpecGovernor(), 3000, lambda i: 80.0, lambda i: 100.0)
     assert all(slower[:gov.WARMUP_SAMPLES])  # drafts first
+    probes = gov.PROBE_LEN / gov.PROBE_EVERY[1]  # share of decisions probing, at least
     tail = slower[500:]
-    assert sum(tail) / len(tail) < 0.03  # drafting measured slower: off but for probes
+    assert sum(tail) / len(tail) < 1.2 * probes  # drafting measured slower: off but probes
     assert any(tail)  # ... which keep coming
     faster = _drive(SpecGovernor(), 3000, lambda i: 130.0, lambda i: 100.0)
     tail = faster[500:]
-    assert sum(tail) / len(tail) > 0.97 and not all(tail)
+    assert sum(tail) / len(tail) > 1 - 1.2 * probes and not all(tail)
 
 
 def test_follows_a_change_in_which_mode_pays():
@@ -47,6 +48,17 @@ def test_follows_a_change_in_which_mode_pays():
     # the next probe (at most PROBE_EVERY[1] decisions away) sees drafting lose
     after = decisions[1000 + gov.PROBE_EVERY[1] + 2 * gov.PROBE_LEN:]
     assert sum(after) / len(after) < 0.05
+
+
+def test_a_bad_phase_does_not_turn_off_drafting_that_pays_on_average():
+    """Acceptance comes in phases: 40 steps where drafting loses (80 tokens/s against 100),
+    40 where it wins (200): on average (114 tokens/s over both) drafting pays, and it stays on through the bad
+    phases (a governor that follows each phase turns off in a bad one and misses the
+    good one that follows until its next probe)."""
+    decisions = _drive(SpecGovernor(), 3000, lambda i: 80.0 if i // 40 % 2 == 0 else 200.0,
+                       lambda i: 100.0)
+    tail = decisions[200:]
+    assert sum(tail) / len(tail) > 0.9
 
 
 def test_batch_sizes_are_measured_apart():
