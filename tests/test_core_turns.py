@@ -9,9 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
 
@@ -259,7 +260,9 @@ def test_a_decode_step_while_a_prefill_worker_waits_takes_at_most_the_yield_budg
     their tokens, and the step budget is the configured one again after; with nobody
     waiting the rest of the prompt goes in one step."""
     engine = LLM(None, dtype="bfloat16", load_progress=False).engine
-    worker = SimpleNamespace(engine=engine, core_turns=CoreTurns(tmp_path))
+    worker = SimpleNamespace(engine=engine, core_turns=CoreTurns(tmp_path),
+                             _kv_write_lock=threading.RLock())
+    worker._engine_step = MethodType(DecodeWorker._engine_step, worker)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     for i in range(2):
         engine.add_request(f"d{i}", [100 + i] * 8, params)

@@ -307,9 +307,11 @@ class DecodeWorker(EngineWorker):
         The step holds the KV write lock, so the inbox thread writes a prefilled prompt's KV
         between steps, not beside one: on a 2-core Xeon (W3, twelfth session) the writes of
         a long prompt's KV, landing during the decode worker's steps, made a step carrying
-        two short prompts' prefills take 0.39 s; with steps and writes taking turns the two
-        short prompts that arrive 0.4 s into the 2,825-token prompt took 0.24-0.26 s
-        instead of 0.45-0.59, and that long prompt 0.61-0.62 s instead of 0.79-0.82."""
+        two short prompts' prefills take 0.39 s (~0.09 s alone). With steps and writes
+        taking turns the two short prompts that arrive 0.4 s into the 2,825-token prompt
+        took 0.24-0.26 s in two runs and 0.49-0.69 in two more, against 0.45-0.59 in three
+        without (the W3 tail is noisy; the prefill worker's FP8 encode of the same KV still
+        runs beside the steps)."""
         with self._kv_write_lock:
             return self._engine_step()
 

@@ -98,7 +98,8 @@ class SpecGovernor:
     average, all worth a drafting step's 1.34x time; a moving average of each step's
     tokens/s over ~5 steps (this governor until the twelfth session) turned drafting off in
     bad phases and came back late, 5 % slower than drafting always there (7.07-7.20 vs
-    6.63-6.77 ms a token), where the long averages draft in 97 % of the steps and match it.
+    6.63-6.77 ms a token), where the long averages draft in 95-98 % of the steps and
+    match it.
     Output is unchanged either way: verification alone decides what is emitted (greedy
     stays plain decoding's; sampled tokens keep their distribution, though a seeded
     request's exact tokens then depend on when drafting ran, as with the batch-size cap).
