@@ -28,7 +28,6 @@ PROBE_LEN = 8
 class _Bucket:
     """What one decode batch size measured: tokens/s per mode and the probe schedule."""
 
-    rate: tuple[float | None, float | None] = (None, None)  # (off, on) tokens/s
     count: tuple[int, int] = (0, 0)
     # per mode (off, on): averages of (tokens, seconds) per step; rate = their ratio
     sums: tuple[tuple[float, float] | None, tuple[float, float] | None] = (None, None)
@@ -36,6 +35,12 @@ class _Bucket:
     since_probe: int = 0
     probe_every: int = PROBE_EVERY[0]
     probing: int = 0
+
+    @property
+    def rate(self) -> tuple[float | None, float | None]:
+        """(off, on) tokens/s: each mode's average tokens over its average seconds."""
+        off, on = (None if m is None else m[0] / m[1] for m in self.sums)
+        return off, on
 
     def choose(self) -> bool:
         """This decision's mode (True: draft), advancing the probe schedule."""
@@ -63,8 +68,6 @@ class _Bucket:
         new = (tokens, seconds) if old is None else (
             old[0] + weight * (tokens - old[0]), old[1] + weight * (seconds - old[1]))
         self.sums = (new, self.sums[1]) if i == 0 else (self.sums[0], new)
-        self.rate = (new[0] / new[1], self.rate[1]) if i == 0 else (self.rate[0],
-                                                                     new[0] / new[1])
         off, on = self.rate
         if on is None or off is None or min(self.count) < MIN_SAMPLES:
             return False
