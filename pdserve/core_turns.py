@@ -23,7 +23,9 @@ the chunk, while running decodes alone interrupt the long prompt less often; and
 that waited takes in every message that arrived meanwhile before its step starts
 (``EngineWorker._step``), so such a prompt joins the very next step. A decode step taken
 while a prefill worker waits holds at most :data:`YIELD_STEP_TOKENS` tokens
-(``DecodeWorker.engine_step``), so the pause stays short.
+(``DecodeWorker.engine_step``), so the pause stays short. The prefill worker's KV sender
+thread is a third party at the gate (``KVSenderThread.take_turns``): it encodes and pushes a
+prompt's KV in a turn of its own, between the workers' steps.
 """
 
 from __future__ import annotations

@@ -289,3 +289,30 @@ def test_inbox_kv_writes_and_engine_steps_take_turns(worker, monkeypatch):
     try_lock()  # between steps: free
     assert could_write == [False, True]
     w.abort("s")
+
+
+def test_a_sender_taking_turns_pushes_only_while_it_holds_the_cores(worker, tmp_path):
+    """A prefill worker's KV sender that takes the core turns (``take_turns``, as ``serve``
+    sets it where prefill and decode share the cores) withholds a push while another party
+    holds the cores, and pushes once they are free: the FP8 encode and the push go between
+    the workers' steps, not beside them."""
+    import queue
+
+    from pdserve.core_turns import CoreTurns
+    from pdserve.engine import SamplingParams
+    from pdserve.messages import ExpectRemoteKV
+
+    w, _, sender, reports = worker
+    sender.take_turns(tmp_path)
+    other = CoreTurns(tmp_path)  # the decode worker's handle, say: another open file
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = _prompt(7)
+    w.handle(ExpectRemoteKV("t", prompt, params, time.time()))
+    with other.turn():
+        _send_layers(w, sender, "t", prompt, range(w.engine.arch.num_layers))
+        with pytest.raises(queue.Empty):
+            reports.get(timeout=0.5)  # held back: the cores are taken
+    rid, num_bytes, _, error, _ = reports.get(timeout=10)
+    assert (rid, error) == ("t", None) and num_bytes > 0
+    w.abort("t")
+    other.close()

@@ -11,11 +11,13 @@ import logging
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from pdserve.core_turns import CoreTurns
 from pdserve.cpu_affinity import background_priority
 from pdserve.kvtransfer.hidden import encode_hidden
 from pdserve.kvtransfer.transport import MAX_KV_MESSAGE_BYTES, KVSender, create_transport
@@ -103,8 +105,16 @@ class KVSenderThread:
         # layers stream; failed requests whose remaining layers are dropped
         self._streaming: dict[str, tuple[int, float, float]] = {}
         self._failed: set[str] = set()
+        self._turns: CoreTurns | None = None  # take_turns: pushes wait for the cores
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
+
+    def take_turns(self, directory) -> None:
+        """Push each job only while holding the cores of ``directory`` (a
+        :class:`~pdserve.core_turns.CoreTurns` directory; call before the first job), so
+        the FP8 encode and the push alternate with the workers' steps on the same cores
+        instead of running beside them."""
+        self._turns = CoreTurns(directory)
 
     def submit(self, job: KVJob) -> None:
         """Queue ``job`` behind the others (returns at once; any thread)."""
@@ -117,34 +127,41 @@ class KVSenderThread:
             self._senders[address] = sender
         return sender
 
-    def _push(self, job: KVJob) -> int:
+    def _encode(self, job: KVJob) -> list[tuple[object, list, int]]:
+        """``job`` as wire messages: (header, signed where the cluster has keys; buffers;
+        bytes of payload and scales), at most :data:`MAX_KV_MESSAGE_BYTES` of KV each."""
         if job.hidden is not None:
-            return self._push_hidden(job)
-        num_bytes = 0
-        use_fp8 = self.use_fp8 or job.scales is not None
-        step = layers_per_message(job.kv, use_fp8)
-        for start in range(0, job.kv.shape[0], step):
-            enc = encode_kv(job.request_id, job.kv[start:start + step],
-                            layer_start=job.layer_start + start, num_tokens=job.num_tokens,
-                            use_fp8=use_fp8, hidden_size=job.hidden_size, rotation=self.rotation,
-                            scales=None if job.scales is None else job.scales[start:start + step])
+            encoded = [encode_hidden(job.request_id, job.hidden, hidden_start=job.hidden_start,
+                                     num_tokens=job.num_tokens)]
+        else:
+            use_fp8 = self.use_fp8 or job.scales is not None
+            step = layers_per_message(job.kv, use_fp8)
+            encoded = [encode_kv(
+                job.request_id, job.kv[start:start + step], layer_start=job.layer_start + start,
+                num_tokens=job.num_tokens, use_fp8=use_fp8, hidden_size=job.hidden_size,
+                rotation=self.rotation,
+                scales=None if job.scales is None else job.scales[start:start + step])
+                for start in range(0, job.kv.shape[0], step)]
+        messages = []
+        for enc in encoded:
             header = enc.header
             if self.cluster_keys is not None:
                 header = sign_header(header, self.cluster_keys, job.dest_address)
-            self._sender(job.dest_address).send(header, enc.buffers,
-                                                timeout_s=self.timeout_s)
-            num_bytes += enc.header.payload_bytes + enc.header.scale_bytes
-        return num_bytes
+            messages.append((header, enc.buffers, enc.header.num_message_bytes))
+        return messages
 
-    def _push_hidden(self, job: KVJob) -> int:
-        """Send a hidden-section job as one message; returns its bytes."""
-        enc = encode_hidden(job.request_id, job.hidden, hidden_start=job.hidden_start,
-                            num_tokens=job.num_tokens)
-        header = enc.header
-        if self.cluster_keys is not None:
-            header = sign_header(header, self.cluster_keys, job.dest_address)
-        self._sender(job.dest_address).send(header, enc.buffers, timeout_s=self.timeout_s)
-        return enc.header.payload_bytes
+    def _push(self, job: KVJob) -> tuple[int, float]:
+        """Encode ``job`` (in a turn at the cores where this thread takes turns) and send
+        it. Returns (bytes sent, seconds waited for the cores). Raises what the encode or
+        the transport raises (KVTransferTimeout, KVFormatError, ...)."""
+        wait_start = time.monotonic()
+        with self._turns.turn() if self._turns is not None else nullcontext():
+            waited_s = time.monotonic() - wait_start
+            messages = self._encode(job)
+        sender = self._sender(job.dest_address)  # the send holds no turn: a receiver that
+        for header, buffers, _ in messages:      # went away must not keep the cores
+            sender.send(header, buffers, timeout_s=self.timeout_s)
+        return sum(m[2] for m in messages), waited_s
 
     def _run(self) -> None:
         background_priority()
@@ -160,7 +177,8 @@ class KVSenderThread:
             sent_before, start, push_s = self._streaming.pop(rid, (0, time.monotonic(), 0.0))
             push_start = time.monotonic()
             try:
-                num_bytes = sent_before + self._push(job)
+                num_bytes, waited_s = self._push(job)
+                num_bytes += sent_before
             except Exception as exc:
                 logger.warning("KV push of %s failed: %s", rid, exc)
                 sender = self._senders.pop(job.dest_address, None)
@@ -171,7 +189,7 @@ class KVSenderThread:
                 self.on_done(rid, 0, time.monotonic() - start, str(exc) or "error", push_s)
                 continue
             now = time.monotonic()
-            push_s += now - push_start
+            push_s += now - push_start - waited_s  # not counting the wait for the cores
             if job.is_last:
                 self.on_done(rid, num_bytes, now - start, None, push_s)
             else:
@@ -185,3 +203,5 @@ class KVSenderThread:
         for sender in self._senders.values():
             sender.close()
         self.transport.close()
+        if self._turns is not None and not self._thread.is_alive():
+            self._turns.close()

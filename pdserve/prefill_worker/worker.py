@@ -85,11 +85,15 @@ class PrefillWorker(EngineWorker):
     def share_cores_with_decode(self) -> None:
         """Set up for taking turns at the cores with a decode worker (:attr:`core_turns`
         set): a long forward hands the cores over between decoder layers
-        (:meth:`~pdserve.core_turns.CoreTurns.pause_between_layers`), and KV goes after the
-        first token (:meth:`stream_kv_by_layer`)."""
+        (:meth:`~pdserve.core_turns.CoreTurns.pause_between_layers`), KV goes after the
+        first token (:meth:`stream_kv_by_layer`), and the sender thread encodes and pushes
+        it in turns too (:meth:`KVSenderThread.take_turns`): beside the decode worker's
+        steps, the FP8 encode of a long prompt's KV slowed them (W3 on a 2-core Xeon, a
+        thirteenth-session figure in the README)."""
         runner = self.engine.runner
         self.core_turns.pause_between_layers(runner.model, fused=runner.fused_decode)
         self.stream_kv_by_layer(False)
+        self.sender.take_turns(self.core_turns.directory)
 
     def stream_kv_by_layer(self, enabled: bool) -> None:
         """Push each layer's KV as the forward writes it (True, the default: the transfer of
