@@ -6,12 +6,15 @@ q/k/v, o, gate/up and down projections plus the 49,152-row LM head; random fp32 
 (batch size, or batch x (k+1) under speculative decoding), and prints milliseconds per
 step and the ratio. ``--weights`` adds the weight formats a decode step can read instead
 of fp32: ``bf16`` (``F.linear`` on bf16 weights and activations, the path bf16 models take
-for 1-2 rows), ``int8`` and ``int4`` (torch's packed CPU kernels of
-``pdserve/engine/quantization/cpu_packed.py``, bf16 activations). ``--all-rows`` prints F.linear and the unpadded NN form for every row
+for 1-2 rows), ``bf16-packed`` (the same weights reordered once into oneDNN's blocked
+layout for AMX/AVX512-BF16, ``torch.ops.mkldnn._reorder_linear_weight``, and run with
+``mkldnn._linear_pointwise``: plain bf16 weights are reordered inside every call), ``int8``
+and ``int4`` (torch's packed CPU kernels of ``pdserve/engine/quantization/cpu_packed.py``,
+bf16 activations). ``--all-rows`` prints F.linear and the unpadded NN form for every row
 count 1..96, which is how ``PADDED_ROWS`` in ``pdserve/engine/layers/linear.py`` was chosen.
 
     python bench/cpu_gemm.py [--rows 1,2,4,5,16,80] [--threads 2] [--all-rows]
-        [--weights bf16,int8,int4]
+        [--weights bf16,bf16-packed,int8,int4]
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ def packed_step_fn(weights: list[torch.Tensor], rows: int, form: str):
 
     if form == "bf16":
         gemms = [lambda x, w=w.bfloat16(): F.linear(x, w) for w in weights]
+    elif form == "bf16-packed":  # oneDNN's blocked layout, made once (mkldnn builds only)
+        mkldnn = torch.ops.mkldnn
+        gemms = [lambda x, w=mkldnn._reorder_linear_weight(w.bfloat16(), rows):
+                 mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in weights]
     elif form == "int8":
         gemms = [Int8CpuGemm(w) for w in weights]
     else:
@@ -86,7 +93,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--all-rows", action="store_true")
     p.add_argument("--weights", default="",
-                   help="also time these weight formats: bf16, int8, int4 (comma-separated)")
+                   help="also time these weight formats: bf16, bf16-packed, int8, int4 "
+                   "(comma-separated)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -98,9 +106,10 @@ def main() -> None:
     forms = ("linear", "nn") if args.all_rows else ("linear", "cpu_linear")
     rows_list = range(1, 97) if args.all_rows else [int(r) for r in args.rows.split(",")]
     extra = [f for f in args.weights.split(",") if f]
-    bad = [f for f in extra if f not in ("bf16", "int8", "int4")]
+    bad = [f for f in extra if f not in ("bf16", "bf16-packed", "int8", "int4")]
     if bad:
-        p.error(f"--weights: unknown format(s) {bad}; choose from bf16, int8, int4")
+        p.error(f"--weights: unknown format(s) {bad}; choose from bf16, bf16-packed, int8, "
+                "int4")
     print(f"rows  {forms[0]:>9s} ms  {forms[1]:>11s} ms  ratio"
           + "".join(f"  {f:>7s} ms" for f in extra))
     for rows in rows_list:

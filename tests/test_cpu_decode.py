@@ -449,54 +449,6 @@ def test_greedy_speculation_stays_lossless_through_the_fused_kernel(quantization
     assert spec.engine.spec_stats.num_accepted_tokens > 0  # drafts were verified and kept
 
 
-def test_prefill_gemms_see_row_counts_padded_to_32():
-    """A 45-token prompt's fused step hands torch's GEMMs 64 rows (45 of data, zeros after):
-    oneDNN JIT-compiles a kernel per new shape, so every distinct prompt length cost a fresh
-    compile per layer GEMM; in multiples of 32 the shapes repeat (the primitive cache keeps
-    them). The greedy token is the unpadded model's (the eager path's, computed apart)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    llm = LLM(None, dtype="bfloat16", load_progress=False)
-    if llm.engine.runner.fused_decode is None:
-        pytest.skip("no fused CPU kernel on this machine")
-    prompt = list(range(100, 145))
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        token = llm.generate([prompt], sp)[0].outputs[0].token_ids
-    rows = {(e.input_shapes[1] if e.name == "aten::addmm" else e.input_shapes[0])[0]
-            for e in prof.events() if e.name in ("aten::mm", "aten::addmm") and e.input_shapes}
-    assert 64 in rows and 45 not in rows
-    llm.engine.runner.fused_decode = None  # the eager model
-    assert llm.generate([prompt], sp)[0].outputs[0].token_ids == token
-
-
-def test_warm_gemms_runs_each_padded_step_size_once():
-    """FusedCpuDecode.warm_gemms (the serving workers run it in a background thread): each
-    layer GEMM shape (qkv, o, gate_up, down) at every padded row count of a step of 33 ..
-    max_rows rows, here 64, 96 and 128 for 100 rows: 12 GEMMs, seen by the profiler; a set
-    stop event ends it before the next size, and start_warming's stopper joins its thread."""
-    import threading
-
-    from torch.profiler import ProfilerActivity, profile
-
-    llm = LLM(None, dtype="bfloat16", load_progress=False)
-    fused = llm.engine.runner.fused_decode
-    if fused is None or fused.max_tokens <= cd.MAX_FUSED_TOKENS:
-        pytest.skip("no fused prefill steps (torch GEMMs) on this machine")
-    assert fused.warm_gemms(100) == 12
-    stop = threading.Event()
-    stop.set()
-    assert fused.warm_gemms(2048, stop) == 0
-    fused.start_warming(2048)()  # stopped at once: returns after at most one size
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fused.warm_gemms(90)  # 64 and 96 rows: on this thread (no row split)
-    shapes = [(e.input_shapes[0][0], tuple(e.input_shapes[1])) for e in prof.events()
-              if e.name == "aten::mm" and e.input_shapes]
-    assert {rows for rows, _ in shapes} == {64, 96}
-    weights = {w for _, w in shapes}  # [K, N]: one per layer weight (or per segment)
-    assert {(576, 576), (1536, 576)} <= weights and len(shapes) == 2 * len(weights)
-
-
 @pytest.mark.parametrize("quantization,bound", [(None, 1.015), ("rtn-int4", 1.03), ("gguf", 1.02)])
 def test_fused_perplexity_matches_the_eager_model(quantization, bound):
     """Held-out perplexity of SmolLM2 scored in chunks of 32 tokens (each chunk one fused

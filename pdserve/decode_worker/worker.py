@@ -96,6 +96,8 @@ class DecodeWorker(EngineWorker):
                                  cluster_keys=cluster_keys, expects=self._expected_kv,
                                  writer=self._write_kv_layers)
         fused = engine.runner.fused_decode  # no request pays for a GEMM's compile
+        if fused is not None:  # nor for a weight's reorder (it would skew the prefill rate)
+            fused.pack_weights()
         self._stop_warming = (fused.start_warming(engine.scheduler.max_num_batched_tokens)
                               if fused is not None else None)
 

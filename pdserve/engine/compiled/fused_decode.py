@@ -8,7 +8,9 @@ step and runs the eager model otherwise: layer-wise KV sends, FP8 caches and fp3
 keep the eager path, and so do steps of more than
 :data:`~pdserve.engine.kernels.cpu_decode.MAX_FUSED_TOKENS` tokens unless the weights are
 bf16 on a CPU with native bf16 GEMMs (there the kernel runs prefill chunks too, its GEMMs
-torch's own: the eager model's values, without its ~20 small ops per layer).
+torch's own: the eager model's values, without its ~20 small ops per layer; steps of up to
+384 rows on weights reordered once for oneDNN (pack_weights, or on first use): a 128-token prompt's
+step 52.7 -> 33.6 ms on a 2-core Xeon with AMX).
 """
 
 from __future__ import annotations
@@ -207,6 +209,14 @@ class FusedCpuDecode:
                 break
             count += self.decoder.warm_gemms(rows)
         return count
+
+    def pack_weights(self) -> int:
+        """Reorder the weights of steps of 33-384 rows for oneDNN now, not in the first such
+        step (the decode worker, whose prefills of short prompts take them, calls it before
+        it registers: ~0.1 s and ~200 MB for SmolLM2). Returns the weights reordered."""
+        if self.max_tokens <= MAX_FUSED_TOKENS:  # no torch GEMMs here
+            return 0
+        return self.decoder.pack_weights()
 
     def start_warming(self, max_rows: int) -> Callable[[], None]:
         """:meth:`warm_gemms` in a background thread at the lowest CPU priority (the serving
