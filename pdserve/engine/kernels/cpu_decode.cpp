@@ -252,7 +252,7 @@ struct Segment {
     int64_t kind;
     int64_t rows;
     torch::Tensor w, s;
-    // w reordered into oneDNN's blocked layout (packed_weight: made on first use)
+    // w reordered for oneDNN (packed_weight: by pack_weights, else on first use)
     mutable torch::Tensor packed;
 };
 
