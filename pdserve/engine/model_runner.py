@@ -13,6 +13,7 @@ import torch
 from pdserve.engine.attention import AttentionInputs, get_backend
 from pdserve.engine.compiled.cuda_graphs import CUDAGraphRunner
 from pdserve.engine.compiled.fused_decode import FusedCpuDecode
+from pdserve.engine.host_memory import keep_freed_memory
 from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
@@ -135,6 +136,8 @@ class ModelRunner:
         self.structured_output = structured_output
         self.arch = arch
         self.device = config.torch_device
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's tensors reuse the last step's pages
         self.dtype = config.resolve_dtype()
         self.block_size = config.block_size
         self.max_model_len = max_model_len
