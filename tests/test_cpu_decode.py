@@ -328,7 +328,8 @@ def test_fused_decoder_matches_the_eager_model(arch, isa, step, tmp_path, monkey
     scalings), a step of decodes and verification rows over a filled cache gives the eager
     bf16 model's hidden states, K/V and EAGLE-3 features, within bf16 rounding, in every
     build this CPU runs (contexts of 17-40 keys: whole blocks of 8 and tails); so does a
-    step with a 37-token prefill beside them (42 rows: the kernel's GEMMs are torch's)."""
+    step with a 37-token prefill beside them (42 rows: the kernel's GEMMs are torch's), with
+    and without EAGLE-3 features."""
     from conftest import build_tiny_checkpoint
 
     monkeypatch.setenv("PDSERVE_CPU_DECODE_ISA", isa)
@@ -371,6 +372,12 @@ def test_fused_decoder_matches_the_eager_model(arch, isa, step, tmp_path, monkey
     assert not (changed & ~written).any()
     with pytest.raises(ValueError, match="aux_layer_ids"):
         fused.run(ids, pos, slots, query_lens, tables, aux_layer_ids=(5,))
+    # without features to return, a prefill step's layers take their inputs from the last
+    # one's bf16 output (residual add and norm in one pass): the same values bit for bit
+    runner.kv_cache.copy_(before)
+    plain = fused.run(ids, pos, slots, query_lens, tables)
+    assert torch.equal(plain, hidden)
+    assert torch.equal(runner.kv_cache, kv_fused)
 
 
 def test_fused_path_is_chosen_only_where_it_applies(tmp_path):

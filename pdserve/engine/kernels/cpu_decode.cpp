@@ -1126,6 +1126,25 @@ void rmsnorm(const float* x, const std::vector<float>& w, int64_t rows, int64_t 
     });
 }
 
+// res [M, H] = bf16(res + y) for y bf16 [M, H] (a torch GEMM's output rows), and x16
+// [M, H] = rmsnorm(res) as bf16: the residual add, the norm and the next GEMM's input in one
+// pass over the rows, each row's steps in L1 (add_round's and rmsnorm's arithmetic). A
+// 1,500-token step had converted the GEMM's output to fp32, added, normed and converted
+// back in four passes over [M, H] fp32 arrays.
+void add_rmsnorm_bf16(const uint16_t* y, float* res, const std::vector<float>& w, int64_t M,
+                      int64_t H, float eps, uint16_t* x16) {
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+        std::vector<float> row(H);
+        for (int64_t r = r0; r < r1; ++r) {
+            float* rr = res + r * H;
+            from_bf16(y + r * H, row.data(), H);
+            add_round(row.data(), rr, rr, H);
+            rmsnorm(rr, w, 1, H, eps, row.data());  // one row: on this thread
+            to_bf16(row.data(), x16 + r * H, H);
+        }
+    });
+}
+
 struct Layer {
     std::vector<float> input_norm, post_norm, q_norm, k_norm;
     Linear qkv, o, gate_up, down;
@@ -1232,22 +1251,9 @@ class FusedDecoder {
                                        std::function<void(int64_t)> layer_done) {
         const int64_t M = embeds.size(0);
         TORCH_CHECK(M >= 1 && embeds.size(1) == H_, "embeds must be [tokens, H]");
-        TORCH_CHECK(kv_cache.scalar_type() == torch::kBFloat16 && kv_cache.is_contiguous() &&
-                        kv_cache.dim() == 6 && kv_cache.size(0) == num_layers() &&
-                        kv_cache.size(4) == Hkv_ && kv_cache.size(5) == D_,
-                    "kv_cache must be contiguous bf16 [L, 2, blocks, block_size, Hkv, D]");
         auto pos = positions.contiguous(), slt = slots.contiguous();
         auto tab = tables.contiguous(), rws = rows.contiguous();
-        TORCH_CHECK(pos.scalar_type() == torch::kInt64 && slt.scalar_type() == torch::kInt64 &&
-                        tab.scalar_type() == torch::kInt64 && rws.scalar_type() == torch::kInt64,
-                    "positions, slots, tables and rows must be int64");
-        const int64_t* P = pos.data_ptr<int64_t>();
-        for (int64_t t = 0; t < M; ++t) {
-            TORCH_CHECK(P[t] >= 0 && P[t] < cos_.size(0), "position out of the rotary table");
-        }
-        Step st{P, slt.data_ptr<int64_t>(), tab.data_ptr<int64_t>(), rws.data_ptr<int64_t>(),
-                tab.size(1), kv_cache.size(2), kv_cache.size(3),
-                reinterpret_cast<uint16_t*>(kv_cache.data_ptr<at::BFloat16>())};
+        const Step st = step_of(M, pos, slt, tab, rws, kv_cache);
 
         std::lock_guard<std::mutex> hold(mutex_);  // the scratch buffers are the decoder's
         Timed whole(part(TOTAL));
@@ -1258,34 +1264,43 @@ class FusedDecoder {
         std::vector<float>& x = sized(buf_.x, M * H_);
         const int64_t naux = static_cast<int64_t>(aux_ids.size());
         auto aux = torch::empty({naux ? M : 0, naux * H_}, torch::kBFloat16);
+        torch::Tensor h16;  // the last layer's MLP output as bf16 [>= M, H] (else in h)
         for (int64_t l = 0; l < num_layers(); ++l) {
-            for (int64_t j = 0; j < naux; ++j) {
-                if (aux_ids[j] != l) continue;
-                auto* A = reinterpret_cast<uint16_t*>(aux.data_ptr<at::BFloat16>());
-                for (int64_t t = 0; t < M; ++t)
-                    for (int64_t i = 0; i < H_; ++i) {
-                        float v = l == 0 ? h[t * H_ + i] : bf16_round(h[t * H_ + i] + res[t * H_ + i]);
-                        A[t * naux * H_ + j * H_ + i] = bf16_bits(v);
-                    }
-            }
+            const bool aux_here = std::find(aux_ids.begin(), aux_ids.end(), l) != aux_ids.end();
+            if (h16.defined() && (aux_here || layers_[l].input_norm.empty()))
+                h16 = take_rows(h16, M, h);
+            for (int64_t j = 0; j < naux; ++j)
+                if (aux_ids[j] == l) write_aux(aux, j, naux, l, M, h, res);
+            torch::Tensor x16;  // the layer's normed input as bf16, where h16 had its output
             if (l == 0) {
                 res = h;
+            } else if (h16.defined()) {
+                x16 = gemm_input(M, H_);
+                timed(NORM_ACT, [&] {
+                    add_rmsnorm_bf16(bf16_data(h16), res.data(), layers_[l].input_norm, M, H_,
+                                     eps_, const_cast<uint16_t*>(bf16_data(x16)));
+                });
             } else {
                 add_round_rows(h.data(), res.data(), res.data(), M, H_);
             }
-            {
+            if (!x16.defined()) {
                 Timed t(part(NORM_ACT));
                 if (layers_[l].input_norm.empty()) x = res;  // none (an EAGLE-1 head's layer)
                 else rmsnorm(res.data(), layers_[l].input_norm, M, H_, eps_, x.data());
             }
-            layer(layers_[l], l, st, M, x, h, res);
+            h16 = layer(layers_[l], l, st, M, x, x16, h, res);
             if (layer_done) layer_done(l);  // layer l's K/V are in the cache
         }
+        auto out = torch::empty({M, H_}, torch::kBFloat16);
+        auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+        if (h16.defined() && !final_norm_.empty()) {
+            add_rmsnorm_bf16(bf16_data(h16), res.data(), final_norm_, M, H_, eps_, O);
+            return {out, aux};
+        }
+        if (h16.defined()) take_rows(h16, M, h);
         add_round_rows(h.data(), res.data(), res.data(), M, H_);
         if (final_norm_.empty()) x = res;  // none (an EAGLE-1 head)
         else rmsnorm(res.data(), final_norm_, M, H_, eps_, x.data());
-        auto out = torch::empty({M, H_}, torch::kBFloat16);
-        auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
         for (int64_t i = 0; i < M * H_; ++i) O[i] = bf16_bits(x[i]);
         return {out, aux};
     }
@@ -1318,23 +1333,15 @@ class FusedDecoder {
         uint16_t* kv;
     };
 
-    // x: the normed input [M, H]; h: out, the layer's MLP output; res: the residual stream
-    // after the attention half (updated in place).
-    void layer(const Layer& ly, int64_t l, const Step& st, int64_t M, const std::vector<float>& x,
-               std::vector<float>& h, std::vector<float>& res) {
+    // x: the normed input [M, H] (x16: the same as bf16 [>= M, H] instead, where defined);
+    // res: the residual stream after the attention half (updated in place). Returns the
+    // layer's MLP output as bf16 [>= M, H] where its last GEMM was torch's (steps of more
+    // than 32 rows), else an undefined tensor and the output in h [M, H].
+    torch::Tensor layer(const Layer& ly, int64_t l, const Step& st, int64_t M,
+                        const std::vector<float>& x, const torch::Tensor& x16,
+                        std::vector<float>& h, std::vector<float>& res) {
         const int64_t qkv_n = ly.qkv.N, q_size = Hq_ * D_;
-        std::vector<float>& qkv = sized(buf_.qkv, M * qkv_n);
-        timed(GEMM, [&] { linear(ly.qkv, x.data(), M, qkv.data()); });
-        timed(NORM_ACT, [&] {
-            if (!ly.q_norm.empty()) {  // Qwen3: RMSNorm over each query and key head
-                for (int64_t t = 0; t < M; ++t) {
-                    float* r = qkv.data() + t * qkv_n;
-                    rmsnorm(r, ly.q_norm, Hq_, D_, eps_, r);
-                    rmsnorm(r + q_size, ly.k_norm, Hkv_, D_, eps_, r + q_size);
-                }
-            }
-            rotate(qkv.data(), M, qkv_n, st.pos);
-        });
+        std::vector<float>& qkv = queries_keys_values(ly, st, M, x, x16);
         std::vector<float>& attn = sized(buf_.attn, M * q_size);
         // a step of more than 32 rows takes torch's GEMM for the output projection: the
         // attention's rows go to it in bf16, as the AMX prefill kernel writes them
@@ -1345,6 +1352,19 @@ class FusedDecoder {
             attention(qkv.data(), M, qkv_n, l, st, attn.data(),
                       torch_gemm ? const_cast<uint16_t*>(bf16_data(attn16)) : nullptr);
         });
+        const auto& gus = ly.gate_up.segs;
+        const bool mlp16 = torch_gemm && ly.down.segs.size() == 1 &&
+                           ((gus.size() == 1 && gus[0].rows == 2 * I_) ||
+                            (gus.size() == 2 && gus[0].rows == I_ && gus[1].rows == I_));
+        if (mlp16 && ly.o.segs.size() == 1) {  // the o GEMM's rows straight into add + norm
+            torch::Tensor o16, xn16 = gemm_input(M, H_);
+            timed(GEMM, [&] { o16 = linear_torch_bf16(ly.o, attn16)[0]; });
+            timed(NORM_ACT, [&] {
+                add_rmsnorm_bf16(bf16_data(o16), res.data(), ly.post_norm, M, H_, eps_,
+                                 const_cast<uint16_t*>(bf16_data(xn16)));
+            });
+            return mlp_bf16(ly, xn16, M);
+        }
         std::vector<float>& o = sized(buf_.o, M * H_);
         timed(GEMM, [&] {
             if (torch_gemm) linear_torch_from_bf16(ly.o, attn16, M, o.data());
@@ -1355,25 +1375,90 @@ class FusedDecoder {
             add_round_rows(o.data(), res.data(), res.data(), M, H_);
             rmsnorm(res.data(), ly.post_norm, M, H_, eps_, xn.data());
         });
-        const auto& gus = ly.gate_up.segs;
-        if (M > MAX_GEMV_ROWS && ly.down.segs.size() == 1 &&
-            ((gus.size() == 1 && gus[0].rows == 2 * I_) ||
-             (gus.size() == 2 && gus[0].rows == I_ && gus[1].rows == I_)))
-            return mlp_bf16(ly, xn.data(), M, h.data());
+        if (mlp16) {
+            torch::Tensor xn16;
+            timed(GEMM, [&] { xn16 = bf16_rows(xn.data(), M, H_); });
+            return mlp_bf16(ly, xn16, M);
+        }
         std::vector<float>& gu = sized(buf_.gu, M * 2 * I_);
         std::vector<float>& act = sized(buf_.act, M * I_);
         timed(GEMM, [&] { linear(ly.gate_up, xn.data(), M, gu.data()); });
         timed(NORM_ACT, [&] { silu_mul(gu.data(), M, act.data()); });
         timed(GEMM, [&] { linear(ly.down, act.data(), M, h.data()); });
+        return torch::Tensor();
+    }
+
+    // The step's views after checking them (forward's arguments; the tensors must outlive it).
+    Step step_of(int64_t M, const torch::Tensor& pos, const torch::Tensor& slt,
+                 const torch::Tensor& tab, const torch::Tensor& rws,
+                 const torch::Tensor& kv_cache) const {
+        TORCH_CHECK(kv_cache.scalar_type() == torch::kBFloat16 && kv_cache.is_contiguous() &&
+                        kv_cache.dim() == 6 && kv_cache.size(0) == num_layers() &&
+                        kv_cache.size(4) == Hkv_ && kv_cache.size(5) == D_,
+                    "kv_cache must be contiguous bf16 [L, 2, blocks, block_size, Hkv, D]");
+        TORCH_CHECK(pos.scalar_type() == torch::kInt64 && slt.scalar_type() == torch::kInt64 &&
+                        tab.scalar_type() == torch::kInt64 && rws.scalar_type() == torch::kInt64,
+                    "positions, slots, tables and rows must be int64");
+        const int64_t* P = pos.data_ptr<int64_t>();
+        for (int64_t t = 0; t < M; ++t) {
+            TORCH_CHECK(P[t] >= 0 && P[t] < cos_.size(0), "position out of the rotary table");
+        }
+        return Step{P, slt.data_ptr<int64_t>(), tab.data_ptr<int64_t>(), rws.data_ptr<int64_t>(),
+                    tab.size(1), kv_cache.size(2), kv_cache.size(3),
+                    reinterpret_cast<uint16_t*>(kv_cache.data_ptr<at::BFloat16>())};
+    }
+
+    // aux [M, naux * H] columns j * H .. (j + 1) * H = layer l's input hidden states
+    // (bf16(h + res) after the first layer: what an EAGLE-3 drafter takes).
+    void write_aux(torch::Tensor& aux, int64_t j, int64_t naux, int64_t l, int64_t M,
+                   const std::vector<float>& h, const std::vector<float>& res) const {
+        auto* A = reinterpret_cast<uint16_t*>(aux.data_ptr<at::BFloat16>());
+        for (int64_t t = 0; t < M; ++t)
+            for (int64_t i = 0; i < H_; ++i) {
+                float v = l == 0 ? h[t * H_ + i] : bf16_round(h[t * H_ + i] + res[t * H_ + i]);
+                A[t * naux * H_ + j * H_ + i] = bf16_bits(v);
+            }
+    }
+
+    // qkv [M, qkv.N] fp32 (bf16 values) = the layer's query/key/value projection of x (or
+    // x16, as in layer()), the queries and keys normed per head (Qwen3) and rotated.
+    std::vector<float>& queries_keys_values(const Layer& ly, const Step& st, int64_t M,
+                                            const std::vector<float>& x,
+                                            const torch::Tensor& x16) {
+        const int64_t qkv_n = ly.qkv.N, q_size = Hq_ * D_;
+        std::vector<float>& qkv = sized(buf_.qkv, M * qkv_n);
+        timed(GEMM, [&] {
+            if (x16.defined()) linear_torch_from_bf16(ly.qkv, x16, M, qkv.data());
+            else linear(ly.qkv, x.data(), M, qkv.data());
+        });
+        timed(NORM_ACT, [&] {
+            if (!ly.q_norm.empty()) {  // Qwen3: RMSNorm over each query and key head
+                for (int64_t t = 0; t < M; ++t) {
+                    float* r = qkv.data() + t * qkv_n;
+                    rmsnorm(r, ly.q_norm, Hq_, D_, eps_, r);
+                    rmsnorm(r + q_size, ly.k_norm, Hkv_, D_, eps_, r + q_size);
+                }
+            }
+            rotate(qkv.data(), M, qkv_n, st.pos);
+        });
+        return qkv;
+    }
+
+    // h [M, H] fp32 = the rows of y (bf16 [>= M, H]); returns an undefined tensor (what the
+    // caller's bf16 output becomes once taken).
+    torch::Tensor take_rows(const torch::Tensor& y, int64_t M, std::vector<float>& h) const {
+        rows_from_bf16(y, M, H_, h.data(), H_, 0);
+        return torch::Tensor();
     }
 
     // The MLP of a step of more than 32 rows (bf16 weights: torch's GEMMs) with its
     // intermediates in bf16, as torch returns them: a 4,096-row step's gate/up output
     // (48 MB as fp32) was written, converted and read back in fp32 for each layer.
-    // h [M, H] = down(bf16(bf16(silu(gate)) * up)), the values of the fp32 path.
-    void mlp_bf16(const Layer& ly, const float* xn, int64_t M, float* h) {
+    // Returns down(bf16(bf16(silu(gate)) * up)) for xn16 (bf16 [>= M, H]): bf16 [>= M, H],
+    // the values of the fp32 path.
+    torch::Tensor mlp_bf16(const Layer& ly, const torch::Tensor& xn16, int64_t M) {
         auto act = gemm_input(M, I_);
-        timed(GEMM, [&] { gu_ = linear_torch_bf16(ly.gate_up, bf16_rows(xn, M, H_)); });
+        timed(GEMM, [&] { gu_ = linear_torch_bf16(ly.gate_up, xn16); });
         timed(NORM_ACT, [&] {
             // gate columns [0, I) and up [I, 2I): one segment of 2I rows or two of I
             const bool one = gu_.size() == 1;
@@ -1387,7 +1472,9 @@ class FusedDecoder {
             });
             gu_.clear();
         });
-        timed(GEMM, [&] { rows_from_bf16(linear_torch_bf16(ly.down, act)[0], M, H_, h, H_, 0); });
+        torch::Tensor y;
+        timed(GEMM, [&] { y = linear_torch_bf16(ly.down, act)[0]; });
+        return y;
     }
 
     // a [I] = bf16(bf16(silu(gate)) * up) over one row of bf16 values, silu_mul's arithmetic.
