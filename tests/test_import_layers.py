@@ -1,5 +1,5 @@
 """Imports run one way: server -> router -> workers -> engine / kvtransfer -> shared
-leaves (fp8, host_memory, security); the offline tools (pdserve.offline) sit beside the
+leaves (fp8, host_memory, memory, security); the offline tools (pdserve.offline) sit beside the
 serving path, built on the engine, and nothing that serves requests imports them. Every module under pdserve/ is parsed (no import is
 executed) and each ``pdserve.*`` import, at any depth in the module, is checked against the
 packages its layer may not use."""
@@ -27,6 +27,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "pdserve.fp8": ("pdserve.engine", "pdserve.kvtransfer", "pdserve.server",
                     "pdserve.router", *WORKERS, *ENTRY),
     "pdserve.host_memory": ("pdserve.engine", "pdserve.kvtransfer", *WORKERS, *ENTRY),
+    "pdserve.memory": ("pdserve.engine", "pdserve.kvtransfer", "pdserve.server",
+                       "pdserve.router", *WORKERS, *ENTRY),
     "pdserve.security": ("pdserve.engine", "pdserve.kvtransfer", "pdserve.server",
                          "pdserve.router", *WORKERS, *ENTRY),
     "pdserve.decode_worker": (*OFFLINE, "pdserve.prefill_worker", "pdserve.server",

@@ -13,7 +13,7 @@ import torch
 from pdserve.engine.attention import AttentionInputs, get_backend
 from pdserve.engine.compiled.cuda_graphs import CUDAGraphRunner
 from pdserve.engine.compiled.fused_decode import FusedCpuDecode
-from pdserve.engine.host_memory import keep_freed_memory
+from pdserve.memory import keep_freed_memory
 from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
