@@ -8,7 +8,7 @@ touches fresh pages, and each first touch is a page fault that zeroes a page. On
 Xeon with AMX, a 1,500-token prompt's prefill spent 18 % of its CPU samples in the kernel
 (``exc_page_fault``, ``clear_page``, memory-cgroup accounting; ``perf``), and the dynamic
 mmap threshold, which glibc raises only after a block it freed, did not prevent it.
-:func:`keep_freed_memory` (the CPU model runner calls it) pins the threshold at its maximum
+:func:`keep_freed_memory` (every model runner calls it) pins the threshold at its maximum
 and stops the automatic trimming: the step's blocks are reused from the heap (the kernel's
 share 18 -> 3 %; the prefill 290-300 -> 273-283 ms median, a 32 x 128-token batch 778-784
 -> 734-740 ms, runs alternating).

@@ -13,7 +13,6 @@ import torch
 from pdserve.engine.attention import AttentionInputs, get_backend
 from pdserve.engine.compiled.cuda_graphs import CUDAGraphRunner
 from pdserve.engine.compiled.fused_decode import FusedCpuDecode
-from pdserve.memory import keep_freed_memory
 from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
@@ -27,6 +26,7 @@ from pdserve.engine.spec_decode.rejection_sampler import RejectionSampler
 from pdserve.engine.step_inputs import StepInputs
 from pdserve.engine.structured_output import StepMasks, StructuredOutputManager, apply_token_bitmask
 from pdserve.engine.quantization import load_model_weights, prepare_cpu_gemms, weight_memory
+from pdserve.memory import keep_freed_memory
 
 
 @contextmanager
@@ -136,8 +136,7 @@ class ModelRunner:
         self.structured_output = structured_output
         self.arch = arch
         self.device = config.torch_device
-        if self.device.type == "cpu":
-            keep_freed_memory()  # a step's tensors reuse the last step's pages
+        keep_freed_memory()  # a CPU step's tensors reuse the last step's heap (pdserve.memory)
         self.dtype = config.resolve_dtype()
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -225,9 +224,7 @@ class ModelRunner:
             logprobs=[results[r][1] for r in order],
             num_draft_tokens=[results[r][2] for r in order],
             num_accepted_tokens=[results[r][3] for r in order],
-            prompt_logprobs=prompt_lps,
-            hidden=step_hidden,
-        )
+            prompt_logprobs=prompt_lps, hidden=step_hidden)
 
     def forward(self, input_ids: list[int], positions: list[int],
                 attn_inputs: AttentionInputs, aux_layer_ids: tuple[int, ...] = (),
