@@ -115,10 +115,10 @@ def wait_routes(server, kind: str, count: float, timeout_s: float = 60.0) -> Non
 @pytest.mark.slow
 def test_predicted_routing_sends_long_prompts_away_from_a_busy_decode_worker_and_short_ones_away_from_a_busy_prefill_worker():
     """With ``--prefill-threshold 64`` the threshold policy would send all of these to the
-    prefill worker. Once rates are known: a 1,500-token prompt arriving while two requests
+    prefill worker. Once rates are known: a ~1,850-token prompt arriving while two requests
     decode on D costs D's running requests three times its prefill, so it goes remote;
-    a 100-token prompt arriving while P still has those 1,500 tokens queued is cheaper on
-    D (its prefill, plus two short stalls) than behind them: it stays local."""
+    a 100-token prompt arriving while P still has those tokens queued is cheaper on D (its
+    prefill, plus two short stalls) than behind them: it stays local."""
     server = ServerProcess("--routing", "predicted", "--prefill-threshold", "64",
                            colocated=False)
     try:
@@ -136,7 +136,9 @@ def test_predicted_routing_sends_long_prompts_away_from_a_busy_decode_worker_and
             t.start()
         time.sleep(3.0)  # both decode on D (wherever prefilled), and its heartbeat says so
         before = route_counts(server)
-        long = threading.Thread(target=complete, args=(server, long_prompt(5, 1300)))
+        # ~1,850 tokens (the server's max_model_len is 2,048): P must still be prefilling them
+        # when the next prompt is routed, and P's prefill got ~10 % faster (fourteenth session)
+        long = threading.Thread(target=complete, args=(server, long_prompt(5, 1600)))
         long.start()
         wait_routes(server, "remote_prefill", before["remote_prefill"] + 1)  # D is busy
         complete(server, long_prompt(6, min_words=70))  # P is busy: this one stays on D
