@@ -10,8 +10,11 @@ Xeon with AMX, a 1,500-token prompt's prefill spent 18 % of its CPU samples in t
 mmap threshold, which glibc raises only after a block it freed, did not prevent it.
 :func:`keep_freed_memory` (every model runner calls it) pins the threshold at its maximum
 and stops the automatic trimming: the step's blocks are reused from the heap (the kernel's
-share 18 -> 3 %; the prefill 290-300 -> 273-283 ms median, a 32 x 128-token batch 778-784
--> 734-740 ms, runs alternating).
+share 18 -> 3 %). With the fused kernel's bf16 hand-off between layers, which makes more
+step tensors, it is what keeps that change's gain: offline, checkouts alternating, a
+1,500-token step 292-336 ms without it against 257-275 with it, a 32 x 128-token batch
+802-848 against 659-685 (alone, on the code before, it had been neutral on long prompts and
+~4 % slower on the batch). The cost is peak RSS: a W1 + W2 server ~400 MB higher.
 
 **Given back when idle.** After thousands of requests come and go, CPython and glibc keep
 the freed memory in their arenas: measured on ``pdserve serve`` after a 2,000-request burst,
@@ -30,6 +33,15 @@ import gc
 import logging
 
 logger = logging.getLogger(__name__)
+
+
+def _libc_function(name: str):
+    """glibc's ``name`` (mallopt, malloc_trim), or None on a C library without it."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
 
 # mallopt(3) parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -56,10 +68,8 @@ def keep_freed_memory() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         logger.debug("no mallopt in this C library: malloc settings left as they are")
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
@@ -72,10 +82,7 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-try:
-    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-except (OSError, AttributeError):  # not glibc: collection only
-    _malloc_trim = None
+_malloc_trim = _libc_function("malloc_trim")  # None where not glibc: collection only
 
 
 def release_free_memory() -> None:
