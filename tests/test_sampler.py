@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.request import Request
 from pdserve.engine.sample import Sampler, SamplingMetadata, apply_penalties
-from pdserve.engine.sample.draws import draw_uniforms, sample_rows
+from pdserve.engine.sample.draws import draw_uniforms, greedy_tokens, sample_rows
 from pdserve.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -57,6 +57,25 @@ def test_greedy_rows_take_argmax():
     assert out.sampled_token_ids.tolist() == [1, 0, 1]
     assert out.sampled_token_ids.dtype == torch.int64
     assert out.logprobs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_keep_argmax_first_index_rule(dtype):
+    """Ties go to the first maximal index, a NaN counts as the maximum, an all -inf row
+    gives 0: what torch.argmax returns, at the vocabulary size of the real model too."""
+    gen = seeded(5)
+    for vocab in (7, 49152):
+        logits = torch.randint(0, 4, (40, vocab), generator=gen).to(dtype)  # many ties
+        logits[0, :] = 1.0
+        logits[1, vocab - 1] = 9.0
+        logits[2, 3] = logits[2, 5] = float("nan")
+        logits[3, :] = float("-inf")
+        logits[4, 2] = logits[4, vocab - 2] = float("inf")
+        expected = logits.argmax(dim=-1)
+        assert expected[:5].tolist() == [0, vocab - 1, 3, 0, 2]
+        assert torch.equal(greedy_tokens(logits), expected)
+        assert torch.equal(greedy_tokens(logits[::2, 1:]), logits[::2, 1:].argmax(dim=-1))
+        assert greedy_tokens(logits).dtype == torch.int64
 
 
 def test_greedy_row_takes_argmax_inside_mixed_batch():

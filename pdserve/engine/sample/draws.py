@@ -13,6 +13,20 @@ from __future__ import annotations
 import torch
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: ``[N, V]`` float (any dtype) -> ``[N]`` int64, the first index of
+    the row's maximum (a NaN counts as the maximum, as in ``torch.argmax``).
+
+    On CPU through ``max(dim).indices``, which keeps argmax's first-index rule and is faster
+    there (torch 2.13, 2-core Xeon, ``[32, 49152]``: fp32 0.42 ms against 1.04, bf16 0.54
+    against 2.5: a 32-row decode step of SmolLM2 spent ~1.5 ms of ~31 in argmax); elsewhere
+    ``argmax`` itself.
+    """
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 def draw_uniforms(num_rows: int, generators: dict[int, torch.Generator],
                   default_generator: torch.Generator | None,
                   device: torch.device) -> torch.Tensor:

@@ -32,7 +32,7 @@ from pdserve.engine.sample.logits_processors import (
     apply_penalties,
     apply_top_k_top_p,
 )
-from pdserve.engine.sample.draws import draw_uniforms, sample_rows
+from pdserve.engine.sample.draws import draw_uniforms, greedy_tokens, sample_rows
 from pdserve.engine.sample.logprobs import LogprobsTensors, gather_logprobs
 from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
@@ -77,7 +77,7 @@ class Sampler:
             and not metadata.needs_logit_processing
             and metadata.max_num_logprobs is None
         ):
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+            return SamplerOutput(sampled_token_ids=greedy_tokens(logits), logprobs=None)
 
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -85,12 +85,12 @@ class Sampler:
 
         logits = self._process_logits(logits.to(torch.float32, copy=True), metadata)
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_tokens(logits)
         else:
             sampled = self._sample_random(logits, metadata, default_generator)
             if not metadata.all_random:
                 is_greedy = metadata.temperature <= GREEDY_TEMPERATURE
-                sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(is_greedy, greedy_tokens(logits), sampled)
 
         logprobs = None
         if raw_logprobs is not None:

@@ -32,7 +32,7 @@ from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.loader.checkpoint import load_checkpoint
 from pdserve.engine.loader.default_model import resolve_model
 from pdserve.engine.request import Request
-from pdserve.engine.sample.draws import draw_uniforms, sample_rows
+from pdserve.engine.sample.draws import draw_uniforms, greedy_tokens, sample_rows
 from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.spec_decode.proposer import max_num_drafts
@@ -285,7 +285,7 @@ class ModelProposer:
         else:
             logits, ids = draft_logits(hidden)
         if smeta.all_greedy:
-            best = logits.argmax(dim=-1)
+            best = greedy_tokens(logits)
             conf = None
             if self.draft_confidence > 0:
                 conf = logits.softmax(dim=-1).gather(1, best.unsqueeze(1)).squeeze(1).tolist()
@@ -302,7 +302,7 @@ class ModelProposer:
         truncated = truncated_probs(scaled, smeta, rows)
         uniforms = draw_uniforms(truncated.shape[0], smeta.generators,
                                  self.runner.default_generator, truncated.device)
-        tokens = torch.where(is_greedy, logits.argmax(dim=-1), sample_rows(truncated, uniforms))
+        tokens = torch.where(is_greedy, greedy_tokens(logits), sample_rows(truncated, uniforms))
         conf = None
         if self.draft_confidence > 0:
             probs = (torch.where(is_greedy.unsqueeze(1), logits.softmax(dim=-1), q)

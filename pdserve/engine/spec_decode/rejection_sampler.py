@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sample.draws import sample_rows
+from pdserve.engine.sample.draws import greedy_tokens, sample_rows
 from pdserve.engine.sample.logits_processors import apply_min_p, apply_top_k_top_p
 from pdserve.engine.sample.sampling_metadata import SamplingMetadata
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
@@ -157,7 +157,7 @@ class RejectionSampler:
             draft is the first rejected; bonus rows: the bonus token) and ``is_accepted``
             ``[D]`` bool.
         """
-        target_argmax = target_logits.argmax(dim=-1)  # [N] int64
+        target_argmax = greedy_tokens(target_logits)  # [N] int64
         if metadata.all_greedy:
             return target_argmax, rows.draft_ids == target_argmax[rows.draft_rows]  # [D] bool
         row_tokens, is_accepted = self._verify_random(
