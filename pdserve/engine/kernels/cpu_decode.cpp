@@ -1824,6 +1824,15 @@ class FusedDecoder {
                     krow[j] = K + slot * kv_size + g * D_;
                     vrow[j] = V + slot * kv_size + g * D_;
                 }
+                // every line of the task's keys and values asked for at once, not as each
+                // row is read (a 32-row decode step of SmolLM2 at ~160 tokens, 2-core Xeon:
+                // attention 9.9-10.6 -> 8.2-8.9 ms; the next task's lines asked for during
+                // this one instead: 9.4-10.5)
+                for (int64_t j = 0; j < ctx; ++j)
+                    for (int64_t b = 0; b < D_ * 2; b += 64) {
+                        _mm_prefetch(reinterpret_cast<const char*>(krow[j]) + b, _MM_HINT_T1);
+                        _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T1);
+                    }
                 scores.resize(ctx);
                 for (int64_t h = 0; h < group; ++h) {
                     const float* q = qkv + t * ld + (g * group + h) * D_;
