@@ -1834,14 +1834,21 @@ class FusedDecoder {
                         _mm_prefetch(reinterpret_cast<const char*>(krow[j]) + b, _MM_HINT_T1);
                         _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T1);
                     }
-                scores.resize(ctx);
+                scores.resize(group * ctx);
                 for (int64_t h = 0; h < group; ++h) {
                     const float* q = qkv + t * ld + (g * group + h) * D_;
-                    head_scores<NZ>(q, krow.data(), ctx, scale, scores.data());
-                    softmax(scores.data(), ctx);
-                    float* o = out + t * Hq_ * D_ + (g * group + h) * D_;
-                    weigh_values<NZ>(scores.data(), vrow.data(), ctx, o);
+                    head_scores<NZ>(q, krow.data(), ctx, scale, scores.data() + h * ctx);
+                    softmax(scores.data() + h * ctx, ctx);
                 }
+                float* o = out + t * Hq_ * D_ + g * group * D_;
+#if defined(__AVX512BF16__)
+                if (group == 3 && NZ <= 4) {  // each value row read once for the 3 heads
+                    weigh_values3<NZ>(scores.data(), vrow.data(), ctx, o);
+                    continue;
+                }
+#endif
+                for (int64_t h = 0; h < group; ++h)
+                    weigh_values<NZ>(scores.data() + h * ctx, vrow.data(), ctx, o + h * D_);
             }
         });
     }
@@ -1876,6 +1883,34 @@ class FusedDecoder {
                     reinterpret_cast<const __m256i*>(krow[j] + 16 * c)));
             sc[j] = hsum(acc) * scale;
         }
+    }
+
+    // weigh_values for three query heads of one KV head at once: p [3, ctx], o [3, D]
+    // (consecutive heads), each head's sums in the same order as weigh_values's.
+    template <int NZ>
+    static void weigh_values3(const float* p, const uint16_t* const* vrow, int64_t ctx,
+                              float* o) {
+        __m512 acc[3][NZ];
+        for (int h = 0; h < 3; ++h)
+            for (int c = 0; c < NZ; ++c) acc[h][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < ctx; ++j) {
+            const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[ctx + j]),
+                         p2 = _mm512_set1_ps(p[2 * ctx + j]);
+            for (int c = 0; c < NZ; ++c) {
+                const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[j] + 16 * c))), 16));
+                acc[0][c] = _mm512_fmadd_ps(p0, v, acc[0][c]);
+                acc[1][c] = _mm512_fmadd_ps(p1, v, acc[1][c]);
+                acc[2][c] = _mm512_fmadd_ps(p2, v, acc[2][c]);
+            }
+        }
+        for (int h = 0; h < 3; ++h)
+            for (int c = 0; c < NZ; ++c) {
+                float* oh = o + h * 16 * NZ + 16 * c;
+                _mm256_storeu_ps(oh, bf16_round8(_mm512_castps512_ps256(acc[h][c])));
+                _mm256_storeu_ps(oh + 8, bf16_round8(_mm256_castpd_ps(
+                                             _mm512_extractf64x4_pd(_mm512_castps_pd(acc[h][c]), 1))));
+            }
     }
 
     // o = bf16(sum_j p_j v_j): fp32 products, 16 lanes per register.
