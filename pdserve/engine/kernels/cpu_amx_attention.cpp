@@ -2,20 +2,28 @@
 // FlashAttention (Dao et al. 2022: online softmax over key blocks, nothing of size
 // [queries, keys] written out), for head_dim 64.
 //
-// Work items are (chunk, KV head, up to 3 of its query heads, block of 16 queries): each
-// tile of keys or values read from L2 serves the item's query heads (a 2-core Xeon, one
-// head an item: 81 ms for SmolLM2's 30 layers of a 1,500-token prompt, against 67). Scores
-// are computed transposed, S^T = K Q^T: the keys, as they lie in the gathered cache rows,
-// are the left tile (16 keys x 32 dimensions, row stride Hkv * D), a head's 16 queries the
-// right one (packed once per item into dimension pairs, the layout tdpbf16ps takes). A row
-// of S^T is then one key's scores against the 16 queries: one 16-lane register, so the
-// softmax's max and sum are lane-wise maxima and sums down the rows (no reduction across
-// lanes), and the probabilities go into the right tile of O^T = V^T P^T as pairs of rows
-// interleaved. V^T is packed once per chunk, per block of 32 keys ([Hkv][key block][D][32]:
-// a tile's 16 rows are 1 KB in a row). Scores, max, sums and O are fp32; probabilities are
-// bf16 when they weigh the values (as in torch's bf16 flash kernel and
-// cpu_prefill_attention.cpp; here computed as bf16 bits, see MANT_FIX), and the sums add
-// those values; the output is rounded to bf16 once.
+// Work items are (chunk, query head, block of 32 queries as two columns of 16): while an
+// item takes scores its queries stay in four tiles and each tile of keys serves both
+// columns (see flash_item). Scores are computed transposed, S^T = K Q^T: the keys are the
+// left tile (16 keys x 32 dimensions, packed once per chunk per KV head and dimension half:
+// a tile is 1 KB in a row), a column's 16 queries the right one (packed once per item into
+// dimension pairs, the layout tdpbf16ps takes). A row of S^T is then one key's scores
+// against the 16 queries: one 16-lane register, so the softmax's max and sum are lane-wise
+// maxima and sums down the rows (no reduction across lanes), and the probabilities go into
+// the right tile of O^T = V^T P^T as pairs of rows interleaved. V^T is packed once per
+// chunk, per block of 32 keys ([Hkv][key block][D][32]: a tile's 16 rows are 1 KB in a
+// row). Scores, max, sums and O are fp32; probabilities are bf16 when they weigh the values
+// (as in torch's bf16 flash kernel and cpu_prefill_attention.cpp; here computed as bf16
+// bits, see MANT_FIX), and the sums add those values; the output is rounded to bf16 once.
+//
+// Against the first AMX kernel (items of 16 queries for the 3 query heads of a KV head,
+// each head's queries reloaded per 16 keys, keys read in place from the gathered rows):
+// a 2-core Xeon, alternating builds in one process, one layer of SmolLM2 at 1,496 queries
+// after 1,504 context positions 4.19 -> 3.93 ms (first 1,504 queries: 1.60 both). What is
+// left is mostly the tiles' memory traffic: a microbenchmark of this kernel's pattern takes
+// ~75 ns per 16 keys x 32 queries (~92 with random rather than zero data) for 8 products of
+// 4.6 ns, and tile loads and stores keep the AMX and AVX-512 work of one thread from
+// overlapping (4 products alone overlap the probabilities fully).
 //
 // Scores go FLASH_SUB keys at a time (their tiles stored, probabilities packed against the
 // max so far, the block's max taken and the block redone only where one passes
@@ -96,90 +104,113 @@ inline __mmask16 key_mask(int64_t n, int64_t first, int64_t lk) {
 // through the tiles, and the probabilities waiting for the values first weigh them.
 constexpr float LAZY_LOG2 = 16.f;
 
-// One item: queries q0 .. q0 + 15 of chunk c (fewer at its end) for the NH (<= 3) query
-// heads h0 .. h0 + NH - 1, all of KV head g: each tile of keys and of values is loaded once
-// for the NH heads (the caches are read from L2; the queries and probabilities, reloaded
-// per head, from L1). Tiles: 0 .. NH - 1 the heads' accumulators, 3 .. 3 + NH - 1 their
-// queries (or probabilities), 6 and 7 keys (or values); flash_amx configures them (16 rows of
-// 64 bytes) once per run of items.
-template <int NH>
-void flash_item(const FlashChunk& c, int64_t h0, int64_t q0, int64_t Hkv, int64_t g,
-                float scale) {
+// One item: query head h (of KV head g) for queries q0 .. q0 + 16 NC - 1 of chunk c (fewer
+// at its end), as NC (1 or 2) columns of 16 queries. While scores are taken the queries stay
+// in tiles 0 .. 3 (column col's dimension halves in 2 col and 2 col + 1), each 16 keys' two
+// tiles (4, 5) serve both columns, into tiles 6 and 7; while the values are weighed, tiles
+// 0 .. 3 hold O^T for two blocks of 16 dimensions (block b of column col in 2 (b % 2) + col),
+// 4 and 5 the columns' probabilities, 6 and 7 the two value blocks: each tile loaded serves
+// two products (a 2-core Xeon, a microbenchmark of the tile patterns: scores 9.4 -> 6.6 ns
+// a product against three heads of one column, each head's queries reloaded per 16 keys).
+// The scores and probabilities go through L1, O^T every FLASH_SB keys. flash_amx configures
+// the tiles (16 rows of 64 bytes) once per run of items.
+template <int NC>
+void flash_item(const FlashChunk& c, int64_t h, int64_t q0, int64_t g, float scale) {
     constexpr int64_t D = 64;
-    const int64_t ldk = Hkv * D, ctx = c.lk - c.n;
-    const int64_t nq = std::min<int64_t>(16, c.n - q0), first = ctx + q0;
-    const int64_t kend = std::min(c.lk, first + 16);
+    const int64_t ctx = c.lk - c.n;
+    const int64_t nq = std::min<int64_t>(16 * NC, c.n - q0), first = ctx + q0;
+    const int64_t kend = std::min(c.lk, first + 16 * NC);
     const int64_t kend32 = (kend + 31) / 32 * 32;  // <= lkp: the padding rows are zeros
-    alignas(64) uint16_t qt[NH][2][16][32];         // [head][dimension half][pair][query, 2]
-    alignas(64) float S[NH][FLASH_SUB][16], O[NH][D][16];
-    alignas(64) uint16_t pt[NH][FLASH_SB / 2][32];  // P^T: [key pair][query, 2]
-    __mmask16 mk[FLASH_SUB];
-    for (int64_t h = 0; h < NH; ++h)
+    alignas(64) uint16_t qt[NC][2][16][32];         // [column][dimension half][pair][query, 2]
+    alignas(64) float S[NC][FLASH_SUB][16], O[NC][D][16];
+    alignas(64) uint16_t pt[NC][FLASH_SB / 2][32];  // P^T: [key pair][query, 2]
+    __mmask16 mk[NC][FLASH_SUB];
+    for (int64_t col = 0; col < NC; ++col)
         for (int64_t half = 0; half < 2; ++half) {  // the queries' pairs transposed
             alignas(64) float rows[16][16];
             for (int64_t i = 0; i < 16; ++i)
                 std::memcpy(rows[i],
-                            c.q + (q0 + std::min(i, nq - 1)) * c.ldq + (h0 + h) * D + 32 * half,
+                            c.q + (q0 + std::min(16 * col + i, nq - 1)) * c.ldq + h * D +
+                                32 * half,
                             64);
-            transpose16(rows[0], reinterpret_cast<float*>(qt[h][half][0]), 16, 16);
+            transpose16(rows[0], reinterpret_cast<float*>(qt[col][half][0]), 16, 16);
         }
+    auto load_q = [&] {
+        _tile_loadd(0, qt[0][0], 64);
+        _tile_loadd(1, qt[0][1], 64);
+        if constexpr (NC > 1) {
+            _tile_loadd(2, qt[1][0], 64);
+            _tile_loadd(3, qt[1][1], 64);
+        }
+    };
+    load_q();
     const __m512 sc = _mm512_set1_ps(scale * 1.44269504f);  // scores to powers of 2
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0: pair sums
     const __m512 sc128 = _mm512_mul_ps(sc, _mm512_set1_ps(128.f));  // to 1/128ths
     const __m512i tlo = _mm512_load_si512(MANT_FIX), thi = _mm512_load_si512(MANT_FIX + 64);
     const __m512i fix = _mm512_load_si512(PAIR_WORDS);
-    __m512 m[NH], l[NH];  // m: the raw scores' reference max
-    for (int h = 0; h < NH; ++h) l[h] = _mm512_setzero_ps();
-#define PD_QK(H, T, HALF, KT)                                  \
-    if constexpr (NH > H) {                                    \
-        _tile_loadd(T, qt[H][HALF], 64);                       \
-        _tile_dpbf16ps(H, KT, T);                              \
-    }
-    // O^T (16 dimensions at a time, each head) += V^T P^T over keys [j0, j1) (P^T rows
-    // from j0 / 2 on)
+    __m512 m[NC], l[NC];  // m: the raw scores' reference max
+    for (int col = 0; col < NC; ++col) l[col] = _mm512_setzero_ps();
+    // O^T (both columns) += V^T P^T over keys [j0, j1) (P^T rows from j0 / 2 on); the
+    // queries go back into tiles 0 .. 3 after
     auto pv = [&](int64_t j0, int64_t j1) {
         const uint16_t* vb = c.vt + (g * (c.lkp / 32) + j0 / 32) * D * 32;
-        for (int64_t db = 0; db < D / 16; ++db) {
+        for (int64_t dp = 0; dp < D / 32; ++dp) {
+            float* o0 = O[0][32 * dp];
+            float* o1 = O[NC - 1][32 * dp];
             if (j0 == 0) {  // O's first keys: the accumulators start at 0
                 _tile_zero(0);
-                if constexpr (NH > 1) _tile_zero(1);
-                if constexpr (NH > 2) _tile_zero(2);
+                _tile_zero(2);
+                if constexpr (NC > 1) {
+                    _tile_zero(1);
+                    _tile_zero(3);
+                }
             } else {
-                _tile_loadd(0, O[0][16 * db], 64);
-                if constexpr (NH > 1) _tile_loadd(1, O[1][16 * db], 64);
-                if constexpr (NH > 2) _tile_loadd(2, O[2][16 * db], 64);
+                _tile_loadd(0, o0, 64);
+                _tile_loadd(2, o0 + 16 * 16, 64);
+                if constexpr (NC > 1) {
+                    _tile_loadd(1, o1, 64);
+                    _tile_loadd(3, o1 + 16 * 16, 64);
+                }
             }
             for (int64_t j = 0; j < j1 - j0; j += 32) {
-                _tile_loadd(6, vb + (j / 32) * D * 32 + 16 * db * 32, 64);
-#define PD_PV(H, T)                                        \
-    if constexpr (NH > H) {                                \
-        _tile_loadd(T, pt[H][j / 2], 64);                  \
-        _tile_dpbf16ps(H, 6, T);                           \
-    }
-                PD_PV(0, 3) PD_PV(1, 4) PD_PV(2, 5)
+                _tile_loadd(4, pt[0][j / 2], 64);
+                if constexpr (NC > 1) _tile_loadd(5, pt[NC - 1][j / 2], 64);
+                const uint16_t* v = vb + (j / 32) * D * 32 + 32 * dp * 32;
+                _tile_loadd(6, v, 64);
+                _tile_loadd(7, v + 16 * 32, 64);
+                _tile_dpbf16ps(0, 6, 4);
+                if constexpr (NC > 1) _tile_dpbf16ps(1, 6, 5);
+                _tile_dpbf16ps(2, 7, 4);
+                if constexpr (NC > 1) _tile_dpbf16ps(3, 7, 5);
             }
-            _tile_stored(0, O[0][16 * db], 64);
-            if constexpr (NH > 1) _tile_stored(1, O[1][16 * db], 64);
-            if constexpr (NH > 2) _tile_stored(2, O[2][16 * db], 64);
+            _tile_stored(0, o0, 64);
+            _tile_stored(2, o0 + 16 * 16, 64);
+            if constexpr (NC > 1) {
+                _tile_stored(1, o1, 64);
+                _tile_stored(3, o1 + 16 * 16, 64);
+            }
         }
+        load_q();
     };
     int64_t pv0 = 0;  // the first key whose probabilities wait in pt (at pt[..][0])
-    // head h's probabilities of the block's nk keys (rows of S[h]) against m[h], as bf16
-    // pairs into pt from row p0r (see MANT_FIX), their sum added to l[h]; returns the largest
-    // before MANT_FIX (16-bit words: above 18,304 = 127 * 128 + 128 * LAZY_LOG2, a probability
-    // passed 2^LAZY_LOG2)
-    auto probs = [&](int h, int64_t nk, int64_t p0r, bool open) -> __m512i {
-        const __m512 msc = _mm512_fmsub_ps(m[h], sc128, _mm512_set1_ps(16256.f));
+    // column col's probabilities of the block's nk keys (rows of S[col]) against m[col], as
+    // bf16 pairs into pt from row p0r (see MANT_FIX), their sum added to l[col]; returns the
+    // largest before MANT_FIX (16-bit words: above 18,304 = 127 * 128 + 128 * LAZY_LOG2, a
+    // probability passed 2^LAZY_LOG2)
+    auto probs = [&](int col, int64_t nk, int64_t p0r, bool open) -> __m512i {
+        const __m512 msc = _mm512_fmsub_ps(m[col], sc128, _mm512_set1_ps(16256.f));
         __m512 sum = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
         __m512i top = _mm512_setzero_si512();
         for (int64_t r = 0; r < nk; r += 2) {
             __m512 y0, y1;
             if (open) {
-                y0 = _mm512_fmsub_ps(_mm512_load_ps(S[h][r]), sc128, msc);
-                y1 = _mm512_fmsub_ps(_mm512_load_ps(S[h][r + 1]), sc128, msc);
+                y0 = _mm512_fmsub_ps(_mm512_load_ps(S[col][r]), sc128, msc);
+                y1 = _mm512_fmsub_ps(_mm512_load_ps(S[col][r + 1]), sc128, msc);
             } else {
-                y0 = _mm512_maskz_fmsub_ps(mk[r], _mm512_load_ps(S[h][r]), sc128, msc);
-                y1 = _mm512_maskz_fmsub_ps(mk[r + 1], _mm512_load_ps(S[h][r + 1]), sc128, msc);
+                y0 = _mm512_maskz_fmsub_ps(mk[col][r], _mm512_load_ps(S[col][r]), sc128, msc);
+                y1 = _mm512_maskz_fmsub_ps(mk[col][r + 1], _mm512_load_ps(S[col][r + 1]), sc128,
+                                           msc);
             }
             __m512i w = _mm512_packus_epi32(_mm512_cvtps_epi32(y0), _mm512_cvtps_epi32(y1));
             top = _mm512_max_epu16(top, w);
@@ -187,113 +218,117 @@ void flash_item(const FlashChunk& c, int64_t h0, int64_t q0, int64_t Hkv, int64_
             // MANT_FIX by each word's low byte (the high bytes' lookups zeroed)
             const __m512i pr = _mm512_sub_epi16(
                 w, _mm512_maskz_permutex2var_epi8(0x5555555555555555ULL, tlo, w, thi));
-            _mm512_store_si512(pt[h][p0r + r / 2], pr);
+            _mm512_store_si512(pt[col][p0r + r / 2], pr);
             if (r & 2) sum1 = _mm512_dpbf16_ps(sum1, (__m512bh)pr, ones);
             else sum = _mm512_dpbf16_ps(sum, (__m512bh)pr, ones);
         }
-        l[h] = _mm512_add_ps(l[h], _mm512_add_ps(sum, sum1));
+        l[col] = _mm512_add_ps(l[col], _mm512_add_ps(sum, sum1));
         return top;
     };
-    // the block's max of each head's scores (keys kb0 .. kb0 + nk: rows of S) moves m where
-    // it passes m by more than LAZY_LOG2 powers of 2 (m set at the first block)
-    auto move_max = [&](int64_t kb0, int64_t nk, bool open) {
-        __m512 mnew[NH];
-        __mmask16 up[NH];
+    // the block's max of each column's scores (keys kb0 .. kb0 + nk: rows of S) moves m
+    // where it passes m by more than LAZY_LOG2 powers of 2 (m set at the first block)
+    auto move_max = [&](int64_t kb0, int64_t nk, const bool* open) {
+        __m512 mnew[NC];
+        __mmask16 up[NC];
         bool any_up = false;
-        for (int h = 0; h < NH; ++h) {
-            mnew[h] = _mm512_set1_ps(-INFINITY);
-            if (open) {  // four chains: a max's latency is 4 cycles
-                __m512 m1 = mnew[h], m2 = mnew[h], m3 = mnew[h];
+        for (int col = 0; col < NC; ++col) {
+            mnew[col] = _mm512_set1_ps(-INFINITY);
+            if (open[col]) {  // four chains: a max's latency is 4 cycles
+                __m512 m1 = mnew[col], m2 = mnew[col], m3 = mnew[col];
                 for (int64_t r = 0; r < nk; r += 4) {
-                    mnew[h] = _mm512_max_ps(mnew[h], _mm512_load_ps(S[h][r]));
-                    m1 = _mm512_max_ps(m1, _mm512_load_ps(S[h][r + 1]));
-                    m2 = _mm512_max_ps(m2, _mm512_load_ps(S[h][r + 2]));
-                    m3 = _mm512_max_ps(m3, _mm512_load_ps(S[h][r + 3]));
+                    mnew[col] = _mm512_max_ps(mnew[col], _mm512_load_ps(S[col][r]));
+                    m1 = _mm512_max_ps(m1, _mm512_load_ps(S[col][r + 1]));
+                    m2 = _mm512_max_ps(m2, _mm512_load_ps(S[col][r + 2]));
+                    m3 = _mm512_max_ps(m3, _mm512_load_ps(S[col][r + 3]));
                 }
-                mnew[h] = _mm512_max_ps(_mm512_max_ps(mnew[h], m1), _mm512_max_ps(m2, m3));
+                mnew[col] =
+                    _mm512_max_ps(_mm512_max_ps(mnew[col], m1), _mm512_max_ps(m2, m3));
             } else {
                 for (int64_t r = 0; r < nk; ++r)
-                    mnew[h] = _mm512_mask_max_ps(mnew[h], mk[r], mnew[h],
-                                                 _mm512_load_ps(S[h][r]));
+                    mnew[col] = _mm512_mask_max_ps(mnew[col], mk[col][r], mnew[col],
+                                                   _mm512_load_ps(S[col][r]));
             }
             if (kb0 == 0) {  // key 0 is here and every query sees it: finite
-                m[h] = mnew[h];
-                up[h] = 0;
+                m[col] = mnew[col];
+                up[col] = 0;
             } else {  // lanes past m by more than 2^LAZY_LOG2 move it
-                up[h] = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(mnew[h], m[h]), sc),
-                                           _mm512_set1_ps(LAZY_LOG2), _CMP_GT_OQ);
-                any_up |= up[h] != 0;
+                up[col] = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(mnew[col], m[col]), sc),
+                                             _mm512_set1_ps(LAZY_LOG2), _CMP_GT_OQ);
+                any_up |= up[col] != 0;
             }
         }
         if (any_up) {  // the waiting probabilities weigh the values first, then O and l
             if (pv0 < kb0) pv(pv0, kb0);  // rescale
             pv0 = kb0;
-            for (int h = 0; h < NH; ++h) {
-                if (!up[h]) continue;
+            for (int col = 0; col < NC; ++col) {
+                if (!up[col]) continue;
                 const __m512 alpha = _mm512_mask_blend_ps(
-                    up[h], _mm512_set1_ps(1.f),
-                    pow2_16(_mm512_mul_ps(_mm512_sub_ps(m[h], mnew[h]), sc)));
-                m[h] = _mm512_mask_mov_ps(m[h], up[h], mnew[h]);
-                l[h] = _mm512_mul_ps(l[h], alpha);
+                    up[col], _mm512_set1_ps(1.f),
+                    pow2_16(_mm512_mul_ps(_mm512_sub_ps(m[col], mnew[col]), sc)));
+                m[col] = _mm512_mask_mov_ps(m[col], up[col], mnew[col]);
+                l[col] = _mm512_mul_ps(l[col], alpha);
                 for (int64_t d = 0; d < D; ++d)
-                    _mm512_store_ps(O[h][d], _mm512_mul_ps(_mm512_load_ps(O[h][d]), alpha));
+                    _mm512_store_ps(O[col][d], _mm512_mul_ps(_mm512_load_ps(O[col][d]), alpha));
             }
         }
     };
     for (int64_t kb0 = 0; kb0 < kend32; kb0 += FLASH_SUB) {
         const int64_t nk = std::min(FLASH_SUB, kend32 - kb0);
-        for (int64_t r = 0; r < nk; r += 16) {  // S^T rows kb0 + r .. + 16, each head
-            const uint16_t* k0 = c.k + (kb0 + r) * ldk + g * D;
-            _tile_loadd(6, k0, ldk * 2);
-            _tile_loadd(7, k0 + 32, ldk * 2);
-            _tile_zero(0);
-            if constexpr (NH > 1) _tile_zero(1);
-            if constexpr (NH > 2) _tile_zero(2);
-            PD_QK(0, 3, 0, 6) PD_QK(1, 4, 0, 6) PD_QK(2, 5, 0, 6)
-            PD_QK(0, 3, 1, 7) PD_QK(1, 4, 1, 7) PD_QK(2, 5, 1, 7)
-            _tile_stored(0, S[0][r], 64);
-            if constexpr (NH > 1) _tile_stored(1, S[1][r], 64);
-            if constexpr (NH > 2) _tile_stored(2, S[2][r], 64);
+        for (int64_t r = 0; r < nk; r += 16) {  // S^T rows kb0 + r .. + 16, each column
+            const uint16_t* k0 = c.k + (g * (c.lkp / 16) + (kb0 + r) / 16) * 1024;
+            _tile_loadd(4, k0, 64);
+            _tile_loadd(5, k0 + 512, 64);
+            _tile_zero(6);
+            if constexpr (NC > 1) _tile_zero(7);
+            _tile_dpbf16ps(6, 4, 0);
+            if constexpr (NC > 1) _tile_dpbf16ps(7, 4, 2);
+            _tile_dpbf16ps(6, 5, 1);
+            if constexpr (NC > 1) _tile_dpbf16ps(7, 5, 3);
+            _tile_stored(6, S[0][r], 64);
+            if constexpr (NC > 1) _tile_stored(7, S[NC - 1][r], 64);
         }
-        // every lane sees every key of the block, or masks per key
-        const bool open = kb0 + nk - 1 <= first && kb0 + nk <= c.lk;
-        if (!open)
-            for (int64_t r = 0; r < nk; ++r) mk[r] = key_mask(kb0 + r, first, c.lk);
+        // per column: every lane sees every key of the block, or masks per key
+        bool open[NC];
+        for (int col = 0; col < NC; ++col) {
+            open[col] = kb0 + nk - 1 <= first + 16 * col && kb0 + nk <= c.lk;
+            if (!open[col])
+                for (int64_t r = 0; r < nk; ++r)
+                    mk[col][r] = key_mask(kb0 + r, first + 16 * col, c.lk);
+        }
         // probabilities against the current max (after the first block nearly always the
         // last one: no max pass), redone after moving the max where any passes 2^LAZY_LOG2
         // (a probability past 2^(2^24), scores ~10^8 above m, would overflow vcvtps2dq to a
         // negative integer and count as 0 instead)
         bool fits = kb0 > 0;
         if (fits) {
-            __m512 lsave[NH];
+            __m512 lsave[NC];
             __m512i top = _mm512_setzero_si512();
-            for (int h = 0; h < NH; ++h) {
-                lsave[h] = l[h];
-                top = _mm512_max_epu16(top, probs(h, nk, (kb0 - pv0) / 2, open));
+            for (int col = 0; col < NC; ++col) {
+                lsave[col] = l[col];
+                top = _mm512_max_epu16(top, probs(col, nk, (kb0 - pv0) / 2, open[col]));
             }
             fits = !_mm512_cmpgt_epu16_mask(top, _mm512_set1_epi16(18304));
             if (!fits)
-                for (int h = 0; h < NH; ++h) l[h] = lsave[h];
+                for (int col = 0; col < NC; ++col) l[col] = lsave[col];
         }
         if (!fits) {
             move_max(kb0, nk, open);
-            for (int h = 0; h < NH; ++h) probs(h, nk, (kb0 - pv0) / 2, open);
+            for (int col = 0; col < NC; ++col) probs(col, nk, (kb0 - pv0) / 2, open[col]);
         }
         if (kb0 + nk - pv0 >= FLASH_SB || kb0 + nk >= kend32) {
             pv(pv0, kb0 + nk);
             pv0 = kb0 + nk;
         }
     }
-#undef PD_QK
-#undef PD_PV
-    for (int h = 0; h < NH; ++h) {
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[h]);
+    for (int col = 0; col < NC; ++col) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[col]);
         for (int64_t d = 0; d < D; ++d)
-            _mm512_store_ps(O[h][d], _mm512_mul_ps(_mm512_load_ps(O[h][d]), inv));
+            _mm512_store_ps(O[col][d], _mm512_mul_ps(_mm512_load_ps(O[col][d]), inv));
         alignas(64) float rows[16][D];  // O^T -> rows of queries -> bf16 out rows
-        for (int64_t b = 0; b < D / 16; ++b) transpose16(O[h][16 * b], rows[0] + 16 * b, D, 16);
-        for (int64_t i = 0; i < nq; ++i) {
-            uint16_t* dst = c.out + (q0 + i) * c.ldo + (h0 + h) * D;
+        for (int64_t b = 0; b < D / 16; ++b)
+            transpose16(O[col][16 * b], rows[0] + 16 * b, D, 16);
+        for (int64_t i = 0; i < std::min<int64_t>(16, nq - 16 * col); ++i) {
+            uint16_t* dst = c.out + (q0 + 16 * col + i) * c.ldo + h * D;
             for (int64_t d = 0; d < D; d += 32)
                 _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(
                                                  _mm512_load_ps(rows[i] + d + 16),
@@ -304,24 +339,19 @@ void flash_item(const FlashChunk& c, int64_t h0, int64_t q0, int64_t Hkv, int64_
 
 void flash_amx(const std::vector<FlashChunk>& chunks, int64_t Hq, int64_t Hkv, float scale) {
     struct Item {
-        int64_t cost, c, g, h0, nh, q0;
+        int64_t cost, c, g, h, nc, q0;
     };
-    // a KV head's query heads in groups of at most 3, as even as they go (7: 3, 2, 2)
-    const int64_t group = Hq / Hkv, parts = (group + 2) / 3;
+    const int64_t group = Hq / Hkv;
     std::vector<Item> items;
     for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
         const FlashChunk& ch = chunks[c];
-        for (int64_t q0 = 0; q0 < ch.n; q0 += 16)
-            for (int64_t g = 0; g < Hkv; ++g)
-                for (int64_t p = 0, h = 0; p < parts; ++p) {
-                    const int64_t nh = group / parts + (p < group % parts);
-                    items.push_back({std::min(ch.lk, ch.lk - ch.n + q0 + 16), c, g,
-                                     g * group + h, nh, q0});
-                    h += nh;
-                }
+        for (int64_t q0 = 0; q0 < ch.n; q0 += 32)
+            for (int64_t h = 0; h < Hq; ++h)
+                items.push_back({std::min(ch.lk, ch.lk - ch.n + q0 + 32), c, h / group, h,
+                                 ch.n - q0 > 16 ? 2 : 1, q0});
     }
     // one KV head's items after another (a 3,000-token chunk's keys and values are 0.75 MB
-    // a KV head: all of them thrashed a core's L2), each head's longest first
+    // a KV head: all of them thrashed a core's L2), each KV head's longest first
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
         return a.g != b.g ? a.g < b.g : a.cost > b.cost;
     });
@@ -337,13 +367,13 @@ void flash_amx(const std::vector<FlashChunk>& chunks, int64_t Hq, int64_t Hkv, f
         for (int64_t i = begin; i < end; ++i) {
             const Item& it = items[i];
             const FlashChunk& ch = chunks[it.c];
-            if (it.nh == 3) flash_item<3>(ch, it.h0, it.q0, Hkv, it.g, scale);
-            else if (it.nh == 2) flash_item<2>(ch, it.h0, it.q0, Hkv, it.g, scale);
-            else flash_item<1>(ch, it.h0, it.q0, Hkv, it.g, scale);
+            if (it.nc == 2) flash_item<2>(ch, it.h, it.q0, it.g, scale);
+            else flash_item<1>(ch, it.h, it.q0, it.g, scale);
         }
         _mm_setcsr(csr);
     });
 }
+
 
 void pack_kv(const uint16_t* const* krows, const uint16_t* const* vrows, int64_t lk,
              int64_t lkp, int64_t kv_size, int64_t b0, int64_t b1, uint16_t* k, uint16_t* vt) {
@@ -358,10 +388,13 @@ void pack_kv(const uint16_t* const* krows, const uint16_t* const* vrows, int64_t
     const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
     alignas(64) uint32_t pairs[4][16][16];  // [dimension block][key pair][dimension]
     for (int64_t b = b0; b < b1; ++b) {
-        for (int64_t n = b * 32; n < (b + 1) * 32; ++n) {
-            if (n < lk) std::memcpy(k + n * kv_size, krows[n], kv_size * sizeof(uint16_t));
-            else std::memset(k + n * kv_size, 0, kv_size * sizeof(uint16_t));
-        }
+        for (int64_t n = b * 32; n < (b + 1) * 32; ++n)  // K: [g][n / 16][half][n % 16][32]
+            for (int64_t g = 0; g < kv_size / 64; ++g)
+                for (int64_t h = 0; h < 2; ++h) {
+                    uint16_t* dst = k + ((g * (lkp / 16) + n / 16) * 2 + h) * 512 + n % 16 * 32;
+                    if (n < lk) std::memcpy(dst, krows[n] + g * 64 + h * 32, 64);
+                    else std::memset(dst, 0, 64);
+                }
         for (int64_t g = 0; g < kv_size / 64; ++g) {  // V^T block: [g][b][d][32 keys]
             for (int64_t p = 0; p < 16; ++p) {
                 const int64_t key = b * 32 + 2 * p;
@@ -403,7 +436,7 @@ torch::Tensor amx_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Ten
                 "k/v must hold the context then the chunk");
     const int64_t kv_size = Hkv * 64, lkp = (lk + 31) / 32 * 32;
     auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-    auto kp = torch::empty({lkp, Hkv, 64}, k.options());
+    auto kp = torch::empty({Hkv, lkp, 64}, k.options());  // FlashChunk::k
     auto vt = torch::empty({kv_size, lkp}, k.options());
     std::vector<const uint16_t*> krows(lk), vrows(lk);
     const auto* K = reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>());

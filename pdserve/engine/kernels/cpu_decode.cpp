@@ -573,9 +573,9 @@ void gemm_amx(const uint16_t* W, int64_t K, int64_t N32, const uint16_t* Xb, int
 
 // Prefill attention in AMX tiles (cpu_amx_attention.cpp, later in this translation unit).
 // One chunk: n queries q [n, ldq] bf16 (head h at column h * 64) after lk - n context
-// positions; keys k [lkp, Hkv * 64] bf16 (rows lk .. lkp zero, lkp = lk rounded up to 32);
-// values transposed per block of 32 keys, vt [Hkv][lkp / 32][64][32] bf16 (keys lk .. lkp
-// zero); out [n, ldo] bf16.
+// positions; keys as AMX tiles, k [Hkv][lkp / 16][2 (dimensions 0-31, 32-63)][16][32] bf16
+// (keys lk .. lkp zero, lkp = lk rounded up to 32); values transposed per block of 32 keys,
+// vt [Hkv][lkp / 32][64][32] bf16 (keys lk .. lkp zero); out [n, ldo] bf16.
 struct FlashChunk {
     const uint16_t* q;
     int64_t ldq;
@@ -588,8 +588,8 @@ struct FlashChunk {
 // Every chunk's causal attention (query i of a chunk sees keys 0 .. lk - n + i), head_dim
 // 64, on torch's threads.
 void flash_amx(const std::vector<FlashChunk>& chunks, int64_t Hq, int64_t Hkv, float scale);
-// Key blocks [b0, b1) (32 keys each) of one chunk in FlashChunk's layout: k [lkp, kv_size]
-// and vt from the rows of keys 0 .. lk (krows[j], vrows[j]: kv_size bf16 each), zeros after.
+// Key blocks [b0, b1) (32 keys each) of one chunk in FlashChunk's layout: k and vt from the
+// rows of keys 0 .. lk (krows[j], vrows[j]: kv_size bf16 each), zeros after.
 void pack_kv(const uint16_t* const* krows, const uint16_t* const* vrows, int64_t lk,
              int64_t lkp, int64_t kv_size, int64_t b0, int64_t b1, uint16_t* k, uint16_t* vt);
 // Python's view of flash_amx over one chunk: q [n, H, 64], k/v [num_context + n, Hkv, 64]
