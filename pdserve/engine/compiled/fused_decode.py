@@ -138,7 +138,6 @@ class FusedCpuDecode:
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, float(inner.norm.eps), rotary.cos_cached,
             rotary.signed_sin_cached, _norm_weight(inner.norm))
-        all_bf16 = True
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             parts = []
@@ -146,17 +145,17 @@ class FusedCpuDecode:
                 segs = linear_segments(lin)
                 if segs is None:
                     raise ValueError(f"no fused form for {type(lin).__name__}")
-                all_bf16 = all_bf16 and all(k == BF16 for k, _, _ in segs)
                 parts += [segs, _bias(lin)]
             self.decoder.add_layer(
                 _norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
                 _norm_weight(getattr(attn, "q_norm", None)),
                 _norm_weight(getattr(attn, "k_norm", None)), *parts)
-        #: most tokens a step may have to run fused: prefill chunks too where the weights
-        #: are bf16 and the CPU multiplies bf16 natively (the kernel's GEMMs of more than
-        #: 32 rows are torch's; see MAX_FUSED_PREFILL_TOKENS)
-        self.max_tokens = (MAX_FUSED_PREFILL_TOKENS
-                           if all_bf16 and cpu_has_native_gemm(torch.bfloat16)
+        #: most tokens a step may have to run fused: prefill chunks too where the CPU
+        #: multiplies bf16 natively (the kernel's GEMMs of more than 32 rows are torch's
+        #: bf16 ones, quantized weights dequantized to bf16 in each such step: a 1,500-token
+        #: prompt of SmolLM2 in rtn-int8 2.4 s through the eager model's int8 GEMMs, see
+        #: README "Quantization"; see MAX_FUSED_PREFILL_TOKENS)
+        self.max_tokens = (MAX_FUSED_PREFILL_TOKENS if cpu_has_native_gemm(torch.bfloat16)
                            else MAX_FUSED_TOKENS)
         #: longest context a step of more than 32 tokens may have to run fused: any where
         #: the build's prefill chunks take the blocked prefill attention kernel

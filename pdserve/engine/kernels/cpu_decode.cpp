@@ -928,6 +928,45 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                    "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
+// A quantized segment's weight as bf16 [rows, K] (Q4: d * code + m per block of 32, Q8:
+// code * s per row, rounded to bf16 once), for the prefill GEMMs of a step of more than 32
+// rows: rebuilt in each call (a thread's scratch, no second copy of the weights kept), rows
+// split over the threads. SmolLM2's 30 layers: ~105 M weights a step. slot: the segment's
+// index in its layer (each slot its own scratch, reused by the next layer's call).
+torch::Tensor dequantized_bf16(const Segment& g, int64_t K, size_t slot) {
+    thread_local std::vector<torch::Tensor> scratch;
+    if (scratch.size() <= slot) scratch.resize(slot + 1);
+    if (!scratch[slot].defined() || scratch[slot].numel() < g.rows * K)
+        scratch[slot] = torch::empty({g.rows * K}, torch::kBFloat16);
+    torch::Tensor view = scratch[slot].narrow(0, 0, g.rows * K).view({g.rows, K});
+    uint16_t* out = reinterpret_cast<uint16_t*>(view.data_ptr<at::BFloat16>());
+    const int64_t nb = K / QBLOCK;
+    at::parallel_for(0, g.rows, 16, [&](int64_t r0, int64_t r1) {
+        std::vector<float> row(K);
+        for (int64_t n = r0; n < r1; ++n) {
+            if (g.kind == Q8) {
+                const int8_t* w = g.w.data_ptr<int8_t>() + n * K;
+                const float sc = g.s.data_ptr<float>()[n];
+                for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(w[k]) * sc;
+            } else {  // Q4: byte j of a block holds column j (low nibble) and j + 16 (high)
+                const uint8_t* w = g.w.data_ptr<uint8_t>() + n * (K / 2);
+                const at::Half* ds = g.s.data_ptr<at::Half>() + n * nb * 2;
+                for (int64_t b = 0; b < nb; ++b) {
+                    const float d = static_cast<float>(ds[b]), m = static_cast<float>(ds[nb + b]);
+                    const uint8_t* wb = w + b * 16;
+                    float* rb = row.data() + b * 32;
+                    for (int j = 0; j < 16; ++j) {
+                        rb[j] = d * static_cast<float>(wb[j] & 15) + m;
+                        rb[j + 16] = d * static_cast<float>(wb[j] >> 4) + m;
+                    }
+                }
+            }
+            to_bf16(row.data(), out + n * K, K);
+        }
+    });
+    return view;
+}
+
 std::vector<torch::Tensor> linear_torch_bf16(const Linear& L, const torch::Tensor& x) {
     const int64_t M = x.size(0), threads = at::get_num_threads();
     if (M <= PACKED_MAX_ROWS) {
@@ -946,8 +985,12 @@ std::vector<torch::Tensor> linear_torch_bf16(const Linear& L, const torch::Tenso
         }
         if (!ys.empty()) return ys;
     }
-    std::vector<torch::Tensor> ys;
-    for (const Segment& g : L.segs) ys.push_back(torch::empty({M, g.rows}, torch::kBFloat16));
+    std::vector<torch::Tensor> ys, wq(L.segs.size());
+    for (size_t i = 0; i < L.segs.size(); ++i) {
+        const Segment& g = L.segs[i];
+        ys.push_back(torch::empty({M, g.rows}, torch::kBFloat16));
+        if (g.kind != BF16) wq[i] = dequantized_bf16(g, L.K, i);
+    }
     const bool split = M >= 64 * threads && M < SPLIT_GEMM_ROWS && !at::in_parallel_region();
     const int64_t parts = split ? threads : 1;
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
@@ -959,11 +1002,12 @@ std::vector<torch::Tensor> linear_torch_bf16(const Linear& L, const torch::Tenso
             int64_t col = 0;
             for (size_t i = 0; i < ys.size(); ++i) {
                 const Segment& g = L.segs[i];
+                const torch::Tensor& w = g.kind == BF16 ? g.w : wq[i];
                 auto out = ys[i].narrow(0, r0, r1 - r0);
                 if (L.bias_bf16.defined())
-                    at::addmm_out(out, L.bias_bf16.narrow(0, col, g.rows), xs, g.w.t());
+                    at::addmm_out(out, L.bias_bf16.narrow(0, col, g.rows), xs, w.t());
                 else
-                    at::mm_out(out, xs, g.w.t());
+                    at::mm_out(out, xs, w.t());
                 col += g.rows;
             }
         }
@@ -1026,10 +1070,7 @@ void linear_torch(const Linear& L, const float* X, int64_t M, float* Y) {
 
 // y [M, N] = bf16(x [M, K] @ W^T + bias): the eager layer's bf16 output.
 void linear(const Linear& L, const float* X, int64_t M, float* Y) {
-    if (M > MAX_GEMV_ROWS) {
-        TORCH_CHECK(!L.quantized_input, "quantized weights take at most 32 rows a step");
-        return linear_torch(L, X, M, Y);
-    }
+    if (M > MAX_GEMV_ROWS) return linear_torch(L, X, M, Y);  // quantized: dequantized_bf16
     QuantAct a;
     if (L.quantized_input) quantize_act(X, M, L.K, a);
     int64_t col = 0;
