@@ -107,8 +107,8 @@ def _dequantized(kind: str, w: torch.Tensor, parts: dict) -> torch.Tensor:
 def test_quantized_segments_past_32_rows_take_bf16_gemms(kind, rows):
     """Steps of more than 32 rows (prefill) multiply a quantized segment as its weights
     dequantized to bf16 (no int8 activations), through torch's bf16 GEMM: against the
-    double product with those weights, one bf16 step of slack; rows 700 split over the
-    threads, 100 one call, 33 oneDNN's packed path's size."""
+    double product with those weights, one bf16 step of slack; 700 rows split over the
+    threads, 33 and 100 one call (sizes where bf16 weights take oneDNN's packed form)."""
     isa = max(ISAS, key=lambda name: len(cd.BUILDS[name][1]))
     if not cpu_has_native_gemm(torch.bfloat16):
         pytest.skip("no native bf16 GEMMs here: prefill steps stay on the eager model")
