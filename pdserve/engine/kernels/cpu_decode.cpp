@@ -575,7 +575,8 @@ void gemm_amx(const uint16_t* W, int64_t K, int64_t N32, const uint16_t* Xb, int
 // One chunk: n queries q [n, ldq] bf16 (head h at column h * 64) after lk - n context
 // positions; keys as AMX tiles, k [Hkv][lkp / 16][2 (dimensions 0-31, 32-63)][16][32] bf16
 // (keys lk .. lkp zero, lkp = lk rounded up to 32); values transposed per block of 32 keys,
-// vt [Hkv][lkp / 32][64][32] bf16 (keys lk .. lkp zero); out [n, ldo] bf16.
+// vt [Hkv][2 (dimensions 0-31, 32-63)][lkp / 32][32][32] bf16 (keys lk .. lkp zero); out
+// [n, ldo] bf16.
 struct FlashChunk {
     const uint16_t* q;
     int64_t ldq;
