@@ -399,6 +399,51 @@ inline void prefetch_part(const char* next, int64_t bytes, int64_t part, int64_t
     for (int64_t b = part * slice; b < end; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
 }
 
+#if defined(__AVX512BF16__)
+// Row n of a quantized segment as bf16, 32 columns (one Q4 block) at a time: Q8
+// bf16(code * s), Q4 bf16(d * code + m) (one fused multiply-add), 16 lanes a conversion
+// (dequantized_bf16).
+struct QuantRows {
+    int64_t kind, K;
+    const int8_t* w8 = nullptr;     // Q8: codes [rows, K]
+    const float* s8 = nullptr;      //     scales [rows]
+    const uint8_t* w4 = nullptr;    // Q4: codes [rows, K / 2]
+    const uint16_t* ds = nullptr;   //     fp16 d [nb] then m [nb] per row
+    QuantRows(const Segment& g, int64_t K_) : kind(g.kind), K(K_) {
+        if (kind == Q8) {
+            w8 = g.w.data_ptr<int8_t>();
+            s8 = g.s.data_ptr<float>();
+        } else {
+            w4 = g.w.data_ptr<uint8_t>();
+            ds = reinterpret_cast<const uint16_t*>(g.s.data_ptr<at::Half>());
+        }
+    }
+    void row32(int64_t n, int64_t s, uint16_t* out) const {
+        __m512 lo, hi;
+        if (kind == Q8) {
+            const int8_t* w = w8 + n * K + 32 * s;
+            const __m512 sc = _mm512_set1_ps(s8[n]);
+            lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)))), sc);
+            hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))), sc);
+        } else {  // byte j of the block: column j (low nibble), column j + 16 (high)
+            const int64_t nb = K / QBLOCK;
+            const __m128i b = _mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(w4 + n * (K / 2) + 16 * s));
+            const __m128i low4 = _mm_set1_epi8(0x0f);
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(ds[n * nb * 2 + s]));
+            const __m512 m = _mm512_set1_ps(_cvtsh_ss(ds[n * nb * 2 + nb + s]));
+            lo = _mm512_fmadd_ps(
+                d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low4))), m);
+            hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), low4))), m);
+        }
+        _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+};
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX (Intel since Sapphire Rapids): tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16
 // one into 16 x 16 fp32 accumulators, 16,384 flops per instruction against vdpbf16ps's
@@ -929,10 +974,11 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                    "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
-// A quantized segment's weight as bf16 [rows, K] (Q4: d * code + m per block of 32, Q8:
-// code * s per row, rounded to bf16 once), for the prefill GEMMs of a step of more than 32
-// rows: rebuilt in each call (a thread's scratch, no second copy of the weights kept), rows
-// split over the threads. SmolLM2's 30 layers: ~105 M weights a step. slot: the segment's
+// A quantized segment's weight as bf16 [rows, K] (Q4: d * code + m per block of 32 in one
+// fused multiply-add, Q8: code * s per row, rounded to bf16 once), for the prefill GEMMs of
+// a step of more than 32 rows: rebuilt in each call (a thread's scratch, no second copy of
+// the weights kept), rows split over the threads, 16 lanes at a time where the build has
+// AVX512-BF16 (QuantRows). SmolLM2's 30 layers: ~105 M weights a step. slot: the segment's
 // index in its layer (each slot its own scratch, reused by the next layer's call).
 torch::Tensor dequantized_bf16(const Segment& g, int64_t K, size_t slot) {
     thread_local std::vector<torch::Tensor> scratch;
@@ -941,8 +987,13 @@ torch::Tensor dequantized_bf16(const Segment& g, int64_t K, size_t slot) {
         scratch[slot] = torch::empty({g.rows * K}, torch::kBFloat16);
     torch::Tensor view = scratch[slot].narrow(0, 0, g.rows * K).view({g.rows, K});
     uint16_t* out = reinterpret_cast<uint16_t*>(view.data_ptr<at::BFloat16>());
-    const int64_t nb = K / QBLOCK;
     at::parallel_for(0, g.rows, 16, [&](int64_t r0, int64_t r1) {
+#if defined(__AVX512BF16__)
+        const QuantRows q(g, K);
+        for (int64_t n = r0; n < r1; ++n)
+            for (int64_t s = 0; s < K / 32; ++s) q.row32(n, s, out + n * K + 32 * s);
+#else
+        const int64_t nb = K / QBLOCK;
         std::vector<float> row(K);
         for (int64_t n = r0; n < r1; ++n) {
             if (g.kind == Q8) {
@@ -954,16 +1005,15 @@ torch::Tensor dequantized_bf16(const Segment& g, int64_t K, size_t slot) {
                 const at::Half* ds = g.s.data_ptr<at::Half>() + n * nb * 2;
                 for (int64_t b = 0; b < nb; ++b) {
                     const float d = static_cast<float>(ds[b]), m = static_cast<float>(ds[nb + b]);
-                    const uint8_t* wb = w + b * 16;
-                    float* rb = row.data() + b * 32;
                     for (int j = 0; j < 16; ++j) {
-                        rb[j] = d * static_cast<float>(wb[j] & 15) + m;
-                        rb[j + 16] = d * static_cast<float>(wb[j] >> 4) + m;
+                        row[b * 32 + j] = std::fma(d, static_cast<float>(w[b * 16 + j] & 15), m);
+                        row[b * 32 + j + 16] = std::fma(d, static_cast<float>(w[b * 16 + j] >> 4), m);
                     }
                 }
             }
             to_bf16(row.data(), out + n * K, K);
         }
+#endif
     });
     return view;
 }
