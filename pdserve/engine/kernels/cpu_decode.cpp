@@ -255,6 +255,9 @@ struct Segment {
     torch::Tensor w, s;
     // w reordered for oneDNN (packed_weight: by pack_weights, else on first use)
     mutable torch::Tensor packed;
+    // with AVX512-VNNI: the codes in 16-row tiles and Q8 128 * their block sums, Q4 the
+    // blocks' d and m (q8_tiles, q4_tiles: cpu_quant_tiles.cpp), or undefined
+    torch::Tensor wt, wsum;
 };
 
 struct Linear {
@@ -1119,6 +1122,30 @@ void linear_torch(const Linear& L, const float* X, int64_t M, float* Y) {
     linear_torch_from_bf16(L, bf16_rows(X, M, L.K), M, Y);
 }
 
+#if defined(__AVX512VNNI__)
+// Q8 segments in 16-row tiles (cpu_quant_tiles.cpp, later in this translation unit).
+void q8_tiles(Segment& g, int64_t K);
+void gemv_q8t(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy);
+void q4_tiles(Segment& g, int64_t K);
+void gemv_q4t(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy);
+#endif
+
+// y [M, N] = X W^T for a Q4 segment: gemv_q4t where q4_tiles repacked it, else gemv_q4.
+void linear_q4(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
+#if defined(__AVX512VNNI__)
+    if (g.wt.defined()) return gemv_q4t(g, K, a, M, Y, ldy);
+#endif
+    gemv_q4(g, K, a, M, Y, ldy);
+}
+
+// y [M, N] = X W^T for a Q8 segment: gemv_q8t where q8_tiles repacked it, else gemv_q8.
+void linear_q8(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
+#if defined(__AVX512VNNI__)
+    if (g.wt.defined()) return gemv_q8t(g, K, a, M, Y, ldy);
+#endif
+    gemv_q8(g, K, a, M, Y, ldy);
+}
+
 // y [M, N] = bf16(x [M, K] @ W^T + bias): the eager layer's bf16 output.
 void linear(const Linear& L, const float* X, int64_t M, float* Y) {
     if (M > MAX_GEMV_ROWS) return linear_torch(L, X, M, Y);  // quantized: dequantized_bf16
@@ -1128,8 +1155,8 @@ void linear(const Linear& L, const float* X, int64_t M, float* Y) {
     for (const Segment& g : L.segs) {
         float* Yg = Y + col;
         if (g.kind == BF16) gemv_bf16(g, L.K, X, M, Yg, L.N);
-        else if (g.kind == Q4) gemv_q4(g, L.K, a, M, Yg, L.N);
-        else gemv_q8(g, L.K, a, M, Yg, L.N);
+        else if (g.kind == Q4) linear_q4(g, L.K, a, M, Yg, L.N);
+        else linear_q8(g, L.K, a, M, Yg, L.N);
         col += g.rows;
     }
     // the bias and the rounding, split over the threads by columns when there are many
@@ -1159,12 +1186,18 @@ Linear make_linear(const std::vector<std::tuple<int64_t, torch::Tensor, torch::T
                             g.s.scalar_type() == torch::kHalf && g.s.numel() == g.rows * K / 16,
                         "int4 segment must be uint8 [rows, K/2] with fp16 [rows, 2, K/32]");
             L.quantized_input = true;
+#if defined(__AVX512VNNI__)
+            if (g.rows % 16 == 0 && K % QBLOCK == 0) q4_tiles(g, K);
+#endif
         } else {
             TORCH_CHECK(g.kind == Q8 && g.w.scalar_type() == torch::kInt8 &&
                             g.w.size(1) == K && g.s.scalar_type() == torch::kFloat32 &&
                             g.s.numel() == g.rows,
                         "int8 segment must be int8 [rows, K] with fp32 [rows]");
             L.quantized_input = true;
+#if defined(__AVX512VNNI__)
+            if (g.rows % 16 == 0 && K % QBLOCK == 0) q8_tiles(g, K);
+#endif
         }
         L.N += g.rows;
         L.segs.push_back(g);
