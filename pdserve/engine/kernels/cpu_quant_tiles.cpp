@@ -94,7 +94,7 @@ inline void q8t_group(const int8_t* w, const int32_t* ws, const uint8_t* xu, con
 }
 
 // Y [M, ldy] columns 0 .. g.rows = X W^T for a Q8 segment with q8_tiles (the file comment),
-// on AVX512-VNNI: four activation rows per pass over a group's codes.
+// on AVX512-VNNI: up to eight activation rows per pass over a group's codes.
 void gemv_q8t(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
     std::vector<uint8_t> xu(M * K);  // xq + 128
     for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(a.q[i]) ^ 0x80;
