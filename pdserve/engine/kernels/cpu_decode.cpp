@@ -255,9 +255,9 @@ struct Segment {
     torch::Tensor w, s;
     // w reordered for oneDNN (packed_weight: by pack_weights, else on first use)
     mutable torch::Tensor packed;
-    // with AVX512-VNNI: the codes in 16-row tiles and Q8 128 * their block sums, Q4 the
+    // with AVX512-VNNI: the codes in 16-row tiles (Q8 + 128, Q4 nibbles) and for Q4 the
     // blocks' d and m (q8_tiles, q4_tiles: cpu_quant_tiles.cpp), or undefined
-    torch::Tensor wt, wsum;
+    torch::Tensor wt, tdm;
 };
 
 struct Linear {

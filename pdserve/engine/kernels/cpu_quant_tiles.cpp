@@ -2,7 +2,7 @@
 // x = dx * xq) with 16 output channels in the lanes: the codes repacked once at load into
 // 16-row tiles whose 64-byte pieces are vpdpbusd operands (q8_tiles, q4_tiles), so each
 // block's dot product I_b = sum over its 32 columns of code * xq is an exact integer in its
-// row's lane, and a row's output is accumulated over the blocks in order (Q8: fma(float(I_b),
+// row's lane (the activations broadcast, 4 columns at a time), and a row's output is accumulated over the blocks in order (Q8: fma(float(I_b),
 // dx_b, acc), times the row's scale at the end; Q4, w = d * code + m: fma(float(I_b),
 // d_b * dx_b, acc) plus the offsets' fma(m_b, s_b, ...) apart, s_b the block's exact
 // activation sum). The same operations whatever the number of activation rows and however
@@ -38,35 +38,38 @@ inline void in_row_groups(int64_t M, const Fn& fn) {
     else if (M - m0 == 1) fn(std::integral_constant<int, 1>{}, m0);
 }
 
-// Segment g's Q8 codes in the q8_tiles layout and each (row, block)'s 128 * sum of codes
-// (int32 [rows / 16][K / 32][16]: vpdpbusd multiplies unsigned activations, xq + 128).
-// Requires rows % 16 == 0 and K % 32 == 0.
+// 4 bytes at p in every 32-bit lane (a load the compiler folds into vpdpbusd's broadcast
+// operand).
+inline __m512i bcast32(const void* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// Segment g's Q8 codes in the q8_tiles layout, as code + 128 (vpdpbusd's unsigned operand;
+// the activations are the signed one, broadcast). Requires rows % 16 == 0, K % 32 == 0.
 void q8_tiles(Segment& g, int64_t K) {
-    const int64_t groups = g.rows / 16, nb = K / QBLOCK;
-    g.wt = torch::empty({groups, K / 4, 64}, torch::kInt8);
-    g.wsum = torch::empty({groups, nb, 16}, torch::kInt32);
+    const int64_t groups = g.rows / 16;
+    g.wt = torch::empty({groups, K / 4, 64}, torch::kUInt8);
     const int8_t* w = g.w.data_ptr<int8_t>();
-    int8_t* wt = g.wt.data_ptr<int8_t>();
-    int32_t* ws = g.wsum.data_ptr<int32_t>();
+    uint8_t* wt = g.wt.data_ptr<uint8_t>();
     at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
         for (int64_t gi = g0; gi < g1; ++gi)
             for (int64_t r = 0; r < 16; ++r) {
                 const int8_t* row = w + (gi * 16 + r) * K;
                 for (int64_t j = 0; j < K / 4; ++j)
-                    std::memcpy(wt + (gi * (K / 4) + j) * 64 + r * 4, row + 4 * j, 4);
-                for (int64_t b = 0; b < nb; ++b) {
-                    int32_t s = 0;
-                    for (int64_t k = 0; k < QBLOCK; ++k) s += row[b * QBLOCK + k];
-                    ws[(gi * nb + b) * 16 + r] = 128 * s;
-                }
+                    for (int64_t i = 0; i < 4; ++i)
+                        wt[(gi * (K / 4) + j) * 64 + r * 4 + i] =
+                            static_cast<uint8_t>(row[4 * j + i]) ^ 0x80;
             }
     });
 }
 
 // MC activation rows (from m0) against one group of 16 weight rows (w: its K / 4 x 64
-// bytes, ws: its 128 * block sums); y: the group's first output column.
+// bytes of code + 128); xs: 128 * each activation block's sum of codes, which the unsigned
+// codes' products carry on top of the block's dot product; y: the group's first column.
 template <int MC>
-inline void q8t_group(const int8_t* w, const int32_t* ws, const uint8_t* xu, const float* xd,
+inline void q8t_group(const uint8_t* w, const int8_t* xq, const int32_t* xs, const float* xd,
                       int64_t K, int64_t m0, __m512 sv, float* y, int64_t ldy) {
     const int64_t nb = K / QBLOCK;
     __m512 acc[MC];
@@ -78,17 +81,17 @@ inline void q8t_group(const int8_t* w, const int32_t* ws, const uint8_t* xu, con
             const __m512i wv = _mm512_loadu_si512(w + (b * 8 + j) * 64);
             const __m512i wv2 = _mm512_loadu_si512(w + (b * 8 + j + 1) * 64);
             for (int mc = 0; mc < MC; ++mc) {
-                int32_t x4[2];
-                std::memcpy(x4, xu + (m0 + mc) * K + b * QBLOCK + 4 * j, 8);
-                dot[mc] = _mm512_dpbusd_epi32(dot[mc], _mm512_set1_epi32(x4[0]), wv);
-                dot2[mc] = _mm512_dpbusd_epi32(dot2[mc], _mm512_set1_epi32(x4[1]), wv2);
+                const int8_t* x = xq + (m0 + mc) * K + b * QBLOCK + 4 * j;
+                dot[mc] = _mm512_dpbusd_epi32(dot[mc], wv, bcast32(x));
+                dot2[mc] = _mm512_dpbusd_epi32(dot2[mc], wv2, bcast32(x + 4));
             }
         }
-        for (int mc = 0; mc < MC; ++mc) dot[mc] = _mm512_add_epi32(dot[mc], dot2[mc]);
-        const __m512i corr = _mm512_loadu_si512(ws + b * 16);
-        for (int mc = 0; mc < MC; ++mc)
-            acc[mc] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[mc], corr)),
+        for (int mc = 0; mc < MC; ++mc) {
+            const __m512i dots = _mm512_sub_epi32(_mm512_add_epi32(dot[mc], dot2[mc]),
+                                                  _mm512_set1_epi32(xs[(m0 + mc) * nb + b]));
+            acc[mc] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots),
                                       _mm512_set1_ps(xd[(m0 + mc) * nb + b]), acc[mc]);
+        }
     }
     for (int mc = 0; mc < MC; ++mc) _mm512_storeu_ps(y + (m0 + mc) * ldy, _mm512_mul_ps(acc[mc], sv));
 }
@@ -96,20 +99,23 @@ inline void q8t_group(const int8_t* w, const int32_t* ws, const uint8_t* xu, con
 // Y [M, ldy] columns 0 .. g.rows = X W^T for a Q8 segment with q8_tiles (the file comment),
 // on AVX512-VNNI: up to eight activation rows per pass over a group's codes.
 void gemv_q8t(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
-    std::vector<uint8_t> xu(M * K);  // xq + 128
-    for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(a.q[i]) ^ 0x80;
-    const int8_t* wt = g.wt.data_ptr<int8_t>();
-    const int32_t* ws = g.wsum.data_ptr<int32_t>();
-    const float* S = g.s.data_ptr<float>();
     const int64_t nb = K / QBLOCK;
+    std::vector<int32_t> xs(M * nb);  // 128 * each block's sum of activation codes
+    for (int64_t i = 0; i < M * nb; ++i) {
+        int32_t s = 0;
+        for (int64_t k = 0; k < QBLOCK; ++k) s += a.q[i * QBLOCK + k];
+        xs[i] = 128 * s;
+    }
+    const uint8_t* wt = g.wt.data_ptr<uint8_t>();
+    const float* S = g.s.data_ptr<float>();
     at::parallel_for(0, g.rows / 16, 4, [&](int64_t g0, int64_t g1) {
         for (int64_t gi = g0; gi < g1; ++gi) {
-            const int8_t* w = wt + gi * (K / 4) * 64;
-            const int32_t* wsg = ws + gi * nb * 16;
+            const uint8_t* w = wt + gi * (K / 4) * 64;
             const __m512 sv = _mm512_loadu_ps(S + gi * 16);
             float* y = Y + gi * 16;
             in_row_groups(M, [&](auto mc, int64_t m0) {
-                q8t_group<decltype(mc)::value>(w, wsg, xu.data(), a.d.data(), K, m0, sv, y, ldy);
+                q8t_group<decltype(mc)::value>(w, a.q.data(), xs.data(), a.d.data(), K, m0, sv,
+                                               y, ldy);
             });
         }
     });
@@ -122,11 +128,11 @@ void gemv_q8t(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* 
 void q4_tiles(Segment& g, int64_t K) {
     const int64_t groups = g.rows / 16, nb = K / QBLOCK;
     g.wt = torch::empty({groups, K / 8, 64}, torch::kUInt8);
-    g.wsum = torch::empty({groups, nb, 2, 16}, torch::kFloat32);
+    g.tdm = torch::empty({groups, nb, 2, 16}, torch::kFloat32);
     const uint8_t* w = g.w.data_ptr<uint8_t>();
     const at::Half* ds = g.s.data_ptr<at::Half>();
     uint8_t* wt = g.wt.data_ptr<uint8_t>();
-    float* dm = g.wsum.data_ptr<float>();
+    float* dm = g.tdm.data_ptr<float>();
     at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
         for (int64_t gi = g0; gi < g1; ++gi)
             for (int64_t r = 0; r < 16; ++r) {
@@ -165,10 +171,9 @@ inline void q4t_group(const uint8_t* w, const float* dm, const QuantAct& a, int6
             const __m512i lo = _mm512_and_si512(v, low4);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             for (int mc = 0; mc < MC; ++mc) {
-                int32_t x4[2];
-                std::memcpy(x4, a.q.data() + (m0 + mc) * K + b * QBLOCK + 8 * j, 8);
-                dot[mc] = _mm512_dpbusd_epi32(dot[mc], lo, _mm512_set1_epi32(x4[0]));
-                dot2[mc] = _mm512_dpbusd_epi32(dot2[mc], hi, _mm512_set1_epi32(x4[1]));
+                const int8_t* x = a.q.data() + (m0 + mc) * K + b * QBLOCK + 8 * j;
+                dot[mc] = _mm512_dpbusd_epi32(dot[mc], lo, bcast32(x));
+                dot2[mc] = _mm512_dpbusd_epi32(dot2[mc], hi, bcast32(x + 4));
             }
         }
         const __m512 d = _mm512_loadu_ps(dm + b * 32), m = _mm512_loadu_ps(dm + b * 32 + 16);
@@ -188,7 +193,7 @@ inline void q4t_group(const uint8_t* w, const float* dm, const QuantAct& a, int6
 // up to eight activation rows per pass over a group's codes.
 void gemv_q4t(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
     const uint8_t* wt = g.wt.data_ptr<uint8_t>();
-    const float* dm = g.wsum.data_ptr<float>();
+    const float* dm = g.tdm.data_ptr<float>();
     const int64_t nb = K / QBLOCK;
     at::parallel_for(0, g.rows / 16, 4, [&](int64_t g0, int64_t g1) {
         for (int64_t gi = g0; gi < g1; ++gi) {
