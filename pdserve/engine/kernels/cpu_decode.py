@@ -58,7 +58,7 @@ MAX_FUSED_PREFILL_TOKENS = 1 << 16
 #: Weight segment kinds (the C++ ``Kind``).
 BF16, INT4, INT8 = 0, 1, 2
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"], frozenset({"avx2", "fma", "f16c"})
-#: AVX512 with bf16 dot products (vdpbf16ps) and VNNI (vpdpbusd: the int4 GEMV's products).
+#: AVX512 with bf16 dot products (vdpbf16ps) and VNNI (vpdpbusd: the quantized GEMVs' products).
 _AVX512 = (_AVX2[0] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                        "-mavx512vnni"],
            _AVX2[1] | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"})

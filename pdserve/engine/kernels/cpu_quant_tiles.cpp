@@ -1,24 +1,25 @@
-// Quantized weights against int8 activations (QuantAct: per block of 32 columns,
-// x = dx * xq) with 16 output channels in the lanes: the codes repacked once at load into
-// 16-row tiles whose 64-byte pieces are vpdpbusd operands (q8_tiles, q4_tiles), so each
-// block's dot product I_b = sum over its 32 columns of code * xq is an exact integer in its
-// row's lane (the activations broadcast, 4 columns at a time), and a row's output is accumulated over the blocks in order (Q8: fma(float(I_b),
-// dx_b, acc), times the row's scale at the end; Q4, w = d * code + m: fma(float(I_b),
-// d_b * dx_b, acc) plus the offsets' fma(m_b, s_b, ...) apart, s_b the block's exact
-// activation sum). The same operations whatever the number of activation rows and however
-// they are grouped, so a step's rows stay independent of the step (speculative verification
-// computes what plain decoding computes). Against the per-row kernels (gemv_q8, gemv_q4:
-// columns in the lanes, each activation row's products summed per lane, then across the
-// lanes, a weight row read once per chunk of activation rows), the weights are read once
-// for up to 8 activation rows and no sum crosses lanes. A 2-core Xeon, SmolLM2's 30 layers'
-// GEMMs (30 distinct weight sets, streamed), alternating builds: Q8 1 row 7.3 -> 6.2 ms, 4
-// rows 10.8 -> 8.2, 8 rows 14.9 -> 10.3, 16 rows 28.3 -> 14.7, 32 rows 49.2 -> 23.8; Q4 5.3
-// -> 4.3, 12.1 -> 5.8, 17.8 -> 8.0, 29.7 -> 13.4, 63.2 -> 24.3. (Q8's products in AMX int8
-// tiles instead, one tile product and one tile store per block for its activation scale:
-// no faster, 106 ns a 16 x 16 x 32 block.) The tiles are a second copy of the codes (the
-// row-major ones stay for the prefill's dequantization): SmolLM2's peak RSS +35 MB with
-// rtn-int8. Compiled after cpu_decode.cpp (one translation unit: cpu_decode.py joins the
-// files), which declares these for linear().
+// Quantized weights against int8 activations (QuantAct: per block of 32 columns, x = dx *
+// xq) with 16 output channels in the lanes: the codes repacked once at load into 16-row
+// tiles whose 64-byte pieces are vpdpbusd operands (q8_tiles, q4_tiles), so each block's
+// dot product I_b = sum over its 32 columns of code * xq is an exact integer in its row's
+// lane (the activations broadcast, 4 columns at a time), and a row's output is accumulated
+// over the blocks in order (Q8: fma(float(I_b), dx_b, acc), times the row's scale at the
+// end; Q4, w = d * code + m: fma(float(I_b), d_b * dx_b, acc) plus the offsets' fma(m_b,
+// s_b, ...) apart, s_b the block's exact activation sum). The same operations whatever the
+// number of activation rows and however they are grouped, so a step's rows stay independent
+// of the step (speculative verification computes what plain decoding computes). Against the
+// per-row kernels (gemv_q8, gemv_q4: columns in the lanes, each activation row's products
+// summed per lane, then across the lanes, a weight row read once per chunk of activation
+// rows), the weights are read once for up to 8 activation rows and no sum crosses lanes. A
+// 2-core Xeon, SmolLM2's 30 layers' GEMMs (30 distinct weight sets, streamed), alternating
+// builds: Q8 1 row 7.3 -> 6.2 ms, 4 rows 10.8 -> 8.2, 8 rows 14.9 -> 10.3, 16 rows 28.3 ->
+// 14.7, 32 rows 49.2 -> 23.8; Q4 5.3 -> 4.3, 12.1 -> 5.8, 17.8 -> 8.0, 29.7 -> 13.4, 63.2
+// -> 24.3; the activations then broadcast from memory, not a register: 32 rows Q8 23.3 ->
+// 20.7, Q4 21.5 -> 20.2. (Q8's products in AMX int8 tiles instead, one tile product and one tile store
+// per block for its activation scale: no faster, 106 ns a 16 x 16 x 32 block.) The tiles
+// are a second copy of the codes (the row-major ones stay for the prefill's
+// dequantization): SmolLM2's peak RSS +35 MB with rtn-int8. Compiled after cpu_decode.cpp
+// (one translation unit: cpu_decode.py joins the files), which declares these for linear().
 
 #if defined(__AVX512VNNI__)
 namespace {
@@ -93,7 +94,8 @@ inline void q8t_group(const uint8_t* w, const int8_t* xq, const int32_t* xs, con
                                       _mm512_set1_ps(xd[(m0 + mc) * nb + b]), acc[mc]);
         }
     }
-    for (int mc = 0; mc < MC; ++mc) _mm512_storeu_ps(y + (m0 + mc) * ldy, _mm512_mul_ps(acc[mc], sv));
+    for (int mc = 0; mc < MC; ++mc)
+        _mm512_storeu_ps(y + (m0 + mc) * ldy, _mm512_mul_ps(acc[mc], sv));
 }
 
 // Y [M, ldy] columns 0 .. g.rows = X W^T for a Q8 segment with q8_tiles (the file comment),
@@ -147,7 +149,8 @@ void q4_tiles(Segment& g, int64_t K) {
                             static_cast<uint8_t>(code(8 * j + i) | code(8 * j + 4 + i) << 4);
                 for (int64_t b = 0; b < nb; ++b) {
                     dm[((gi * nb + b) * 2) * 16 + r] = static_cast<float>(ds[n * nb * 2 + b]);
-                    dm[((gi * nb + b) * 2 + 1) * 16 + r] = static_cast<float>(ds[n * nb * 2 + nb + b]);
+                    dm[((gi * nb + b) * 2 + 1) * 16 + r] =
+                        static_cast<float>(ds[n * nb * 2 + nb + b]);
                 }
             }
     });
