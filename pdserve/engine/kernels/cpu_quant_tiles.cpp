@@ -15,9 +15,9 @@
 // builds: Q8 1 row 7.3 -> 6.2 ms, 4 rows 10.8 -> 8.2, 8 rows 14.9 -> 10.3, 16 rows 28.3 ->
 // 14.7, 32 rows 49.2 -> 23.8; Q4 5.3 -> 4.3, 12.1 -> 5.8, 17.8 -> 8.0, 29.7 -> 13.4, 63.2
 // -> 24.3; the activations then broadcast from memory, not a register: 32 rows Q8 23.3 ->
-// 20.7, Q4 21.5 -> 20.2. (Q8's products in AMX int8 tiles instead, one tile product and one tile store
-// per block for its activation scale: no faster, 106 ns a 16 x 16 x 32 block.) The tiles
-// are a second copy of the codes (the row-major ones stay for the prefill's
+// 20.7, Q4 21.5 -> 20.2. (Q8's products in AMX int8 tiles instead, one tile product and one
+// tile store per block for its activation scale: no faster, 106 ns a 16 x 16 x 32 block.)
+// The tiles are a second copy of the codes (the row-major ones stay for the prefill's
 // dequantization): SmolLM2's peak RSS +35 MB with rtn-int8. Compiled after cpu_decode.cpp
 // (one translation unit: cpu_decode.py joins the files), which declares these for linear().
 
