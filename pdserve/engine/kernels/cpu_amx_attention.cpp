@@ -14,7 +14,8 @@
 // chunk, per dimension half and block of 32 keys ([Hkv][2][key block][32][32]: a tile's 16
 // rows are 1 KB in a row, and a pass over one half's values reads them in order: against
 // [Hkv][key block][D][32], whose halves interleave every 2 KB, 1,496 queries after 1,504
-// positions 4.11 -> 4.05 ms, 512 after 2,496 1.87 -> 1.83, a 2-core Xeon). Scores, max, sums and O are fp32; probabilities are bf16 when they weigh the values
+// positions 4.11 -> 4.05 ms, 512 after 2,496 1.87 -> 1.83, a 2-core Xeon). Scores, max,
+// sums and O are fp32; probabilities are bf16 when they weigh the values
 // (as in torch's bf16 flash kernel and cpu_prefill_attention.cpp; here computed as bf16
 // bits, see MANT_FIX), and the sums add those values; the output is rounded to bf16 once.
 //

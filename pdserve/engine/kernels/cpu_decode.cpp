@@ -216,6 +216,7 @@ struct QuantAct {
     std::vector<int8_t> q;  // [M, K]
     std::vector<float> d;   // [M, K / 32] block scale
     std::vector<float> s;   // [M, K / 32] exact sum of the block's fp32 values
+    std::vector<int32_t> qs;  // [M, K / 32] 128 * the sum of the block's codes (gemv_q8t)
 };
 
 void quantize_act(const float* x, int64_t M, int64_t K, QuantAct& a) {
@@ -223,6 +224,7 @@ void quantize_act(const float* x, int64_t M, int64_t K, QuantAct& a) {
     a.q.resize(M * K);
     a.d.resize(M * nb);
     a.s.resize(M * nb);
+    a.qs.resize(M * nb);
     for (int64_t i = 0; i < M * nb; ++i) {
         const float* xb = x + i * QBLOCK;
         float amax = 0.f, sum = 0.f;
@@ -231,11 +233,14 @@ void quantize_act(const float* x, int64_t M, int64_t K, QuantAct& a) {
             sum += xb[j];
         }
         const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t qsum = 0;
         for (int j = 0; j < QBLOCK; ++j) {
             a.q[i * QBLOCK + j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+            qsum += a.q[i * QBLOCK + j];
         }
         a.d[i] = d;
         a.s[i] = sum;
+        a.qs[i] = 128 * qsum;
     }
 }
 
@@ -1009,8 +1014,9 @@ torch::Tensor dequantized_bf16(const Segment& g, int64_t K, size_t slot) {
                 for (int64_t b = 0; b < nb; ++b) {
                     const float d = static_cast<float>(ds[b]), m = static_cast<float>(ds[nb + b]);
                     for (int j = 0; j < 16; ++j) {
-                        row[b * 32 + j] = std::fma(d, static_cast<float>(w[b * 16 + j] & 15), m);
-                        row[b * 32 + j + 16] = std::fma(d, static_cast<float>(w[b * 16 + j] >> 4), m);
+                        const uint8_t byte = w[b * 16 + j];
+                        row[b * 32 + j] = std::fma(d, static_cast<float>(byte & 15), m);
+                        row[b * 32 + j + 16] = std::fma(d, static_cast<float>(byte >> 4), m);
                     }
                 }
             }
@@ -1130,20 +1136,16 @@ void q4_tiles(Segment& g, int64_t K);
 void gemv_q4t(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy);
 #endif
 
-// y [M, N] = X W^T for a Q4 segment: gemv_q4t where q4_tiles repacked it, else gemv_q4.
-void linear_q4(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
+// y [M, N] = X W^T for a quantized segment: its 16-row tiles' kernel where make_linear
+// made them (q8_tiles, q4_tiles), else the per-row one.
+void linear_quant(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y,
+                  int64_t ldy) {
 #if defined(__AVX512VNNI__)
-    if (g.wt.defined()) return gemv_q4t(g, K, a, M, Y, ldy);
+    if (g.wt.defined()) return g.kind == Q4 ? gemv_q4t(g, K, a, M, Y, ldy)
+                                            : gemv_q8t(g, K, a, M, Y, ldy);
 #endif
-    gemv_q4(g, K, a, M, Y, ldy);
-}
-
-// y [M, N] = X W^T for a Q8 segment: gemv_q8t where q8_tiles repacked it, else gemv_q8.
-void linear_q8(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
-#if defined(__AVX512VNNI__)
-    if (g.wt.defined()) return gemv_q8t(g, K, a, M, Y, ldy);
-#endif
-    gemv_q8(g, K, a, M, Y, ldy);
+    if (g.kind == Q4) gemv_q4(g, K, a, M, Y, ldy);
+    else gemv_q8(g, K, a, M, Y, ldy);
 }
 
 // y [M, N] = bf16(x [M, K] @ W^T + bias): the eager layer's bf16 output.
@@ -1155,8 +1157,7 @@ void linear(const Linear& L, const float* X, int64_t M, float* Y) {
     for (const Segment& g : L.segs) {
         float* Yg = Y + col;
         if (g.kind == BF16) gemv_bf16(g, L.K, X, M, Yg, L.N);
-        else if (g.kind == Q4) linear_q4(g, L.K, a, M, Yg, L.N);
-        else linear_q8(g, L.K, a, M, Yg, L.N);
+        else linear_quant(g, L.K, a, M, Yg, L.N);
         col += g.rows;
     }
     // the bias and the rounding, split over the threads by columns when there are many

@@ -101,13 +101,6 @@ inline void q8t_group(const uint8_t* w, const int8_t* xq, const int32_t* xs, con
 // Y [M, ldy] columns 0 .. g.rows = X W^T for a Q8 segment with q8_tiles (the file comment),
 // on AVX512-VNNI: up to eight activation rows per pass over a group's codes.
 void gemv_q8t(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y, int64_t ldy) {
-    const int64_t nb = K / QBLOCK;
-    std::vector<int32_t> xs(M * nb);  // 128 * each block's sum of activation codes
-    for (int64_t i = 0; i < M * nb; ++i) {
-        int32_t s = 0;
-        for (int64_t k = 0; k < QBLOCK; ++k) s += a.q[i * QBLOCK + k];
-        xs[i] = 128 * s;
-    }
     const uint8_t* wt = g.wt.data_ptr<uint8_t>();
     const float* S = g.s.data_ptr<float>();
     at::parallel_for(0, g.rows / 16, 4, [&](int64_t g0, int64_t g1) {
@@ -116,7 +109,7 @@ void gemv_q8t(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* 
             const __m512 sv = _mm512_loadu_ps(S + gi * 16);
             float* y = Y + gi * 16;
             in_row_groups(M, [&](auto mc, int64_t m0) {
-                q8t_group<decltype(mc)::value>(w, a.q.data(), xs.data(), a.d.data(), K, m0, sv,
+                q8t_group<decltype(mc)::value>(w, a.q.data(), a.qs.data(), a.d.data(), K, m0, sv,
                                                y, ldy);
             });
         }
