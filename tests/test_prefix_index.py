@@ -95,3 +95,38 @@ def test_block_manager_journal_stays_bounded_and_snapshots_when_asked():
     off = BlockManager(num_blocks=2, block_size=1, enable_prefix_caching=False)
     _computed(off, "x", [1, 2])
     assert off.drain_cache_events() == (False, [])  # no prefix caching: nothing is cached
+
+
+def test_block_manager_reuses_written_blocks_before_fresh_ones_and_evicts_cached_last():
+    """Reuse order: freed blocks no prefix lookup can find (most recently freed first),
+    then never-written blocks (their pages not yet committed), then cached blocks, least
+    recently freed first; a cached prefix survives while fresh blocks remain."""
+    off = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    a = _computed(off, "a", [1, 2, 3, 4, 5])
+    assert a.block_table == [0, 1, 2]
+    off.free(a)
+    b = _computed(off, "b", [6, 7, 8, 9])  # the blocks just written, not fresh ones 3, 4
+    assert sorted(b.block_table) == [0, 1] and off.num_free_blocks == 6
+    c = _computed(off, "c", [1] * 9)  # a's last block (still free), then fresh ones
+    assert c.block_table == [2, 3, 4, 5, 6]
+    assert off.num_free_blocks == 1 and off.can_allocate(_request([1, 2])) is True
+
+    on = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
+    a = _computed(on, "a", [1, 2, 3, 4, 5])  # blocks 0, 1 cached, 2 partial
+    on.free(a)
+    b = _computed(on, "b", [7, 7, 8, 8, 9])  # reuses the partial block 2, then fresh 3, 4
+    assert b.block_table == [2, 3, 4]
+    hit = _computed(on, "hit", [1, 2, 3, 4, 6])  # a's cached prefix kept, fresh block 5
+    assert hit.block_table == [0, 1, 5] and on.num_prefix_hit_tokens == 4
+    on.free(b)
+    on.free(hit)  # partial blocks 4, 5 plain; 3, 2, then 1, 0 cached in that order
+    d = _computed(on, "d", [5, 5, 6, 6, 7, 7, 8])  # the plain ones, then b's cached 3, 2
+    assert d.block_table == [5, 4, 3, 2] and on.num_free_blocks == 2
+    h = chain_block_hashes([1, 2, 3, 4], 2, [])  # a's prefix outlived b's
+    assert [on.cached_block_ids.get(x) for x in h] == [0, 1]
+    assert not on.can_allocate(_request([1, 2, 3, 4, 0]))  # 3 blocks: only 0, 1 are free
+
+
+def _request(token_ids: list[int]) -> Request:
+    return Request("r", token_ids, SamplingParams(), max_tokens=8, eos_token_ids=(),
+                   device=torch.device("cpu"))
