@@ -1,7 +1,7 @@
 """The torch GEMMs of the fused CPU kernel's prefill steps (steps of more than 32 rows,
 pdserve/engine/kernels/cpu_decode.cpp): row counts padded to multiples of 32, the warm-up
-that compiles their oneDNN kernels ahead of requests, and steps of at most PACKED_MAX_ROWS
-rows on weights reordered once for oneDNN."""
+that compiles their oneDNN kernels ahead of requests, and the steps on weights reordered
+once for oneDNN (at most PACKED_MAX_ROWS rows, or SPLIT_GEMM_ROWS and more)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(cd.cpu_decode_module() is None,
                                 reason="no AVX2/FMA/F16C or no C++ toolchain")
 
 #: The GEMMs a fused prefill step hands torch: on weights as stored, or (steps of at most
-#: PACKED_MAX_ROWS rows, cpu_decode.cpp) on weights reordered for oneDNN.
+#: PACKED_MAX_ROWS rows or of SPLIT_GEMM_ROWS and more, cpu_decode.cpp) on weights
+#: reordered for oneDNN.
 GEMM_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
 
 
@@ -76,10 +77,11 @@ def test_warm_gemms_runs_each_padded_step_size_once():
 
 
 def test_steps_up_to_packed_max_rows_take_the_reordered_weights():
-    """Fused prefill steps of at most PACKED_MAX_ROWS (384) rows run their GEMMs on weights
-    reordered once into oneDNN's layout (``mkldnn::_linear_pointwise``; plain weights are
-    reordered inside every call: a 128-row step's GEMMs 38.9 -> 26.6 ms, bench/cpu_gemm.py),
-    larger ones on the weights as stored (no gain there). ``pack_weights`` (the decode
+    """Fused prefill steps of at most PACKED_MAX_ROWS (384) rows, and steps of
+    SPLIT_GEMM_ROWS (1,408) rows or more, run their GEMMs on weights reordered once into
+    oneDNN's layout (``mkldnn::_linear_pointwise``; plain weights are reordered inside every
+    call: a 128-row step's GEMMs 38.9 -> 26.6 ms, bench/cpu_gemm.py), the ones between on
+    the weights as stored, their rows split over the threads. ``pack_weights`` (the decode
     worker calls it at start-up) reorders every layer's weights once, so no step pays for
     it; without it the first such step would."""
     from torch.profiler import ProfilerActivity, profile
@@ -93,9 +95,12 @@ def test_steps_up_to_packed_max_rows_take_the_reordered_weights():
     assert fused.pack_weights() == 4 * llm.engine.arch.num_layers  # qkv, o, gate_up, down
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fused.warm_gemms(448)  # 64 .. 448 rows: 384 the last packed size
+        if torch.get_num_threads() > 1:
+            fused.decoder.warm_gemms(1408)  # that size alone: packed again, not split
     rows = {name: {e.input_shapes[0][0] for e in prof.events()
                    if e.name == name and e.input_shapes} for name in GEMM_OPS}
-    assert rows["mkldnn::_linear_pointwise"] == set(range(64, 385, 32))
+    packed = set(range(64, 385, 32)) | ({1408} if torch.get_num_threads() > 1 else set())
+    assert rows["mkldnn::_linear_pointwise"] == packed
     # 416 and 448 rows on the stored weights (split in halves over two threads)
     assert rows["aten::mm"] and rows["aten::mm"] <= {416, 448, 208, 224}
     assert not [e for e in prof.events() if e.name == "mkldnn::_reorder_linear_weight"]

@@ -210,9 +210,11 @@ class FusedCpuDecode:
         return count
 
     def pack_weights(self) -> int:
-        """Reorder the weights of steps of 33-384 rows for oneDNN now, not in the first such
-        step (the decode worker, whose prefills of short prompts take them, calls it before
-        it registers: ~0.1 s and ~200 MB for SmolLM2). Returns the weights reordered."""
+        """Reorder the weights of the steps that take them (33-384 rows, and 1,408 or more:
+        cpu_decode.cpp's PACKED_MAX_ROWS, SPLIT_GEMM_ROWS) for oneDNN now, not in the first
+        such step (the decode worker, whose prefills of short prompts take them, calls it
+        before it registers: ~0.1 s and ~200 MB for SmolLM2; a prefill worker's GEMM warm-up
+        makes them). Returns the weights reordered."""
         if self.max_tokens <= MAX_FUSED_TOKENS:  # no torch GEMMs here
             return 0
         return self.decoder.pack_weights()

@@ -940,13 +940,18 @@ void gemv_q8(const Segment& g, int64_t K, const QuantAct& a, int64_t M, float* Y
 // 0.89; 1,500 rows 0.77 either way; a 2,117-token prompt in 1,024-token steps, two runs
 // each alternating: GEMMs 340-349 ms, split 321-324). Steps of that size are a chunked
 // prompt's last chunk, a short prompts' batch, or a decode worker's prefill.
-constexpr int64_t SPLIT_GEMM_ROWS = 1536;
+constexpr int64_t SPLIT_GEMM_ROWS = 1408;
 
-// Steps of at most this many rows take a bf16 segment's GEMM on its weight reordered once
-// into oneDNN's blocked layout: torch's GEMM on the plain [N, K] weight reorders it inside
-// every call. bench/cpu_gemm.py --weights bf16,bf16-packed on a 2-core Xeon with AMX (a
-// step's GEMMs of SmolLM2's 30 layers and LM head, weights streamed from memory): 38.9 ->
-// 26.6 ms at 128 rows, 56.5 -> 36.2 at 256; at 512 rows 81.9 against 87.4 (no gain).
+// Steps of at most PACKED_MAX_ROWS rows, and steps not split (SPLIT_GEMM_ROWS rows or
+// more), take a bf16 segment's GEMM on its weight reordered once into oneDNN's blocked
+// layout (the same values: checked equal to torch's GEMM at 64 to 3,008 rows): torch's
+// GEMM on the plain [N, K] weight reorders it inside every call. bench/cpu_gemm.py
+// --weights bf16,bf16-packed on a 2-core Xeon with AMX (a step's GEMMs of SmolLM2's 30
+// layers and LM head, weights streamed from memory): 38.9 -> 26.6 ms at 128 rows, 56.5 ->
+// 36.2 at 256; at 512 rows 81.9 against 87.4 (no gain). In the fused forward (SmolLM2,
+// alternating in one process, GEMMs a token): the 32 x 128 batch in one step 96.7 ->
+// 91.9 us, a 3,000-token prompt in two steps of 1,504 rows 101.6 -> 96.4, 11 x 128 rows
+// 98.6 -> 87.3; at 768-1,280 rows the split GEMM stays faster (1,024: 105.6 against 126.6).
 constexpr int64_t PACKED_MAX_ROWS = 384;
 
 // g's weight in oneDNN's blocked layout (made on first use, under a lock: the GEMM warm-up
@@ -1029,7 +1034,8 @@ torch::Tensor dequantized_bf16(const Segment& g, int64_t K, size_t slot) {
 
 std::vector<torch::Tensor> linear_torch_bf16(const Linear& L, const torch::Tensor& x) {
     const int64_t M = x.size(0), threads = at::get_num_threads();
-    if (M <= PACKED_MAX_ROWS) {
+    const bool split = M >= 64 * threads && M < SPLIT_GEMM_ROWS && !at::in_parallel_region();
+    if (M <= PACKED_MAX_ROWS || !split) {
         std::vector<torch::Tensor> ys;
         int64_t col = 0;
         for (const Segment& g : L.segs) {
@@ -1051,7 +1057,6 @@ std::vector<torch::Tensor> linear_torch_bf16(const Linear& L, const torch::Tenso
         ys.push_back(torch::empty({M, g.rows}, torch::kBFloat16));
         if (g.kind != BF16) wq[i] = dequantized_bf16(g, L.K, i);
     }
-    const bool split = M >= 64 * threads && M < SPLIT_GEMM_ROWS && !at::in_parallel_region();
     const int64_t parts = split ? threads : 1;
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
         c10::InferenceMode inference;  // a worker thread's own mode: the tensors' (no autograd)
@@ -1340,9 +1345,10 @@ class FusedDecoder {
 
     int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-    // Reorders every layer's bf16 weights for the GEMMs of steps of at most PACKED_MAX_ROWS
-    // rows now (packed_weight), so the first such step does not pay for it (and measure it
-    // into the worker's prefill rate). Returns the weights reordered (0 without oneDNN).
+    // Reorders every layer's bf16 weights for the GEMMs that take them (steps of at most
+    // PACKED_MAX_ROWS rows or of SPLIT_GEMM_ROWS and more) now (packed_weight), so the
+    // first such step does not pay for it (and measure it into the worker's prefill rate).
+    // Returns the weights reordered (0 without oneDNN).
     int64_t pack_weights() {
         int64_t n = 0;
         for (const Layer& ly : layers_)
