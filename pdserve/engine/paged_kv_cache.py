@@ -16,12 +16,8 @@ import os
 
 import torch
 
-from pdserve.engine.config import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
-    DEFAULT_GPU_KV_CACHE_FRACTION,
-    EngineConfig,
-    ModelArchConfig,
-)
+from pdserve.engine.config import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_KV_CACHE_FRACTION,
+                                   EngineConfig, ModelArchConfig)
 
 
 def _zeros_committed_on_touch(shape: tuple[int, ...], dtype: torch.dtype,
