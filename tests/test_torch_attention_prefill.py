@@ -1,6 +1,6 @@
 """The torch backend's prefills (fresh and over cached context) run torch's CPU flash-attention
-kernel, never SDPA's math fallback that materializes ``[heads, L, L]`` scores, and equal a
-hand-written causal GQA attention."""
+kernel or pdserve's C++ kernels, never SDPA's math fallback that materializes ``[heads, L, L]``
+scores, and equal a hand-written causal GQA attention."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from pdserve.engine.attention.base import AttentionInputs
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
-from pdserve.engine.kernels.cpu_prefill_attention import use_cpu_prefill_attention
+from pdserve.engine.kernels.cpu_decode import cpu_decode_module
+from pdserve.engine.kernels.cpu_prefill_attention import (
+    use_cpu_prefill_attention,
+    use_f32_prefill_attention,
+)
 
 H, HKV, D, BS = 6, 2, 32, 16
 
@@ -51,9 +55,14 @@ def _prefill(cached: int, seed: int, dtype: torch.dtype):
 
 @pytest.mark.parametrize("cached", [0, 200], ids=["fresh", "with-cached-context"])
 def test_prefill_uses_flash_kernel_and_matches_reference(cached):
+    """fp32: the AVX2 kernel where the CPU has no AVX512-BF16 (no SDPA at all), else
+    torch's flash kernel."""
     out, prof, q, k_all, v_all = _prefill(cached, 0, torch.float32)
     ops = {e.key for e in prof.key_averages()}
-    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    if use_f32_prefill_attention():
+        assert not any("scaled_dot_product" in op for op in ops)
+    else:
+        assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     assert "aten::_scaled_dot_product_attention_math" not in ops
     torch.testing.assert_close(out, _reference(q, k_all, v_all, cached), rtol=1e-4, atol=1e-4)
 
@@ -139,3 +148,46 @@ def test_cpu_prefill_kernel_rejects_what_it_does_not_take():
         prefill_attention(q, k, k, 1, 1.0)
     with pytest.raises(RuntimeError, match="head_dim"):
         prefill_attention(q[..., :48], k[..., :48], k[..., :48], 0, 1.0)
+
+
+needs_f32_kernel = pytest.mark.skipif(
+    cpu_decode_module("avx2") is None, reason="no AVX2/FMA/F16C, or no C++ toolchain")
+
+
+@needs_f32_kernel
+@pytest.mark.parametrize("n,ctx,heads,kv_heads,dim", [
+    (1, 0, 9, 3, 64), (2, 1, 9, 3, 64), (5, 0, 9, 3, 64), (37, 0, 9, 3, 64),
+    (100, 70, 9, 3, 64), (130, 3, 6, 2, 64), (200, 0, 8, 2, 128), (33, 17, 4, 4, 32),
+    (25, 0, 7, 1, 64), (700, 1300, 9, 3, 64)])
+def test_f32_prefill_kernel_shapes(n, ctx, heads, kv_heads, dim):
+    """The AVX2 fp32 kernel (built on any CPU with AVX2/FMA/F16C, whichever build serves):
+    items of 24 rows cut across tokens and padded (groups of 1, 2, 3, 4 and 7 heads), key
+    tails (fewer than 4 keys in all, not a multiple of 64 or 4), every head size, strided
+    token rows; within fp32 rounding of float64 attention."""
+    module = cpu_decode_module("avx2")
+    gen = torch.Generator().manual_seed(n + ctx)
+    q = (2 * torch.randn(n, heads + 1, dim, generator=gen))[:, :heads]  # strided rows
+    k = 2 * torch.randn(ctx + n, kv_heads, dim, generator=gen)
+    v = torch.randn(ctx + n, kv_heads, dim, generator=gen)
+    out = module.prefill_attention_f32(q, k, v, ctx, dim**-0.5)
+    group = heads // kv_heads
+    kr, vr = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kr) * dim**-0.5
+    mask = torch.arange(ctx + n)[None, :] > (ctx + torch.arange(n))[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(mask, -torch.inf).softmax(-1), vr)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=5e-5)
+
+
+@needs_f32_kernel
+def test_f32_prefill_kernel_rejects_what_it_does_not_take():
+    module = cpu_decode_module("avx2")
+    q = k = torch.zeros(4, 2, 64)
+    with pytest.raises(RuntimeError, match="fp32"):
+        module.prefill_attention_f32(q.bfloat16(), k, k, 0, 1.0)
+    with pytest.raises(RuntimeError, match="shapes"):
+        module.prefill_attention_f32(q, k, k, 1, 1.0)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        module.prefill_attention_f32(q[..., :48], k[..., :48], k[..., :48], 0, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        module.prefill_attention_f32(q[:, :, ::2], k[:, :, ::2], k[:, :, ::2], 0, 1.0)

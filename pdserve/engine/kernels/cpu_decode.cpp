@@ -2236,4 +2236,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("prefill_attention", &prefill_attention,  // cpu_prefill_attention.cpp
           pybind11::call_guard<pybind11::gil_scoped_release>());
 #endif
+    m.def("prefill_attention_f32", &prefill_attention_f32,  // cpu_flash_f32.cpp
+          pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -114,8 +114,8 @@ def _build(name: str):
     caller holds ``_lock``."""
     if f"build:{name}" not in _state:
         source = "".join(Path(__file__).with_name(f).read_text() for f in (
-            "cpu_prefill_attention.cpp", "cpu_decode.cpp", "cpu_amx_attention.cpp",
-            "cpu_quant_tiles.cpp"))  # one translation unit
+            "cpu_prefill_attention.cpp", "cpu_flash_f32.cpp", "cpu_decode.cpp",
+            "cpu_amx_attention.cpp", "cpu_quant_tiles.cpp"))  # one translation unit
         cflags, needs = BUILDS[name]
         _state[f"build:{name}"] = build_cpu_extension(f"cpu_decode_{name}", source, cflags,
                                                       needs)
