@@ -17,8 +17,14 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention.base import AttentionInputs
-from pdserve.engine.compiled.fused_decode import _bias, _norm_weight, step_tables
-from pdserve.engine.kernels.cpu_decode import MAX_FUSED_TOKENS, bf16_segment, cpu_decode_module
+from pdserve.engine.compiled.fused_decode import (
+    _bias,
+    _norm_weight,
+    linear_segments,
+    step_tables,
+)
+from pdserve.engine.kernels.cpu_decode import MAX_FUSED_TOKENS, cpu_decode_module
+from pdserve.engine.layers.linear import Fp32GemmLinear
 from pdserve.engine.spec_decode.eagle1_head import Eagle1DraftModel
 
 
@@ -27,7 +33,8 @@ class FusedEagleLayer:
 
     Args:
         module: the built kernel extension.
-        head: an EAGLE-1 head with bf16 weights.
+        head: an EAGLE-1 head with bf16 weights (``nn.Linear`` in bf16, or
+            :class:`Fp32GemmLinear`'s bf16 copy where the CPU has no native bf16 GEMM).
         kv_cache: the drafter's cache, bf16 ``[1, 2, blocks, block_size, kv_heads,
             head_dim]`` contiguous.
     """
@@ -43,7 +50,7 @@ class FusedEagleLayer:
             attn.rotary.cos_cached, attn.rotary.signed_sin_cached, torch.empty(0))
         parts = []
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            parts += [[bf16_segment(lin.weight)], _bias(lin)]
+            parts += [linear_segments(lin), _bias(lin)]
         none = torch.empty(0)
         self.decoder.add_layer(none, _norm_weight(layer.post_attention_layernorm),
                                _norm_weight(getattr(attn, "q_norm", None)),
@@ -58,10 +65,11 @@ class FusedEagleLayer:
         layer = head.layer
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    layer.mlp.down_proj)
+        bf16 = all(isinstance(lin, Fp32GemmLinear)
+                   or (type(lin) is nn.Linear and lin.weight.dtype == torch.bfloat16)
+                   for lin in linears)
         if (kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 6 or kv_cache.shape[0] != 1
-                or not kv_cache.is_contiguous()
-                or any(not isinstance(lin, nn.Linear) or lin.weight.dtype != torch.bfloat16
-                       for lin in linears)):
+                or not kv_cache.is_contiguous() or not bf16):
             return None
         module = cpu_decode_module()
         return None if module is None else cls(module, head, kv_cache)
