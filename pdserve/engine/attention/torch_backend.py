@@ -194,7 +194,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pre
     # SDPA operands are 4-D [1, heads, n, D]: torch's CPU flash kernel takes only those (3-D
     # goes to the math path: [H, n, L] scores, 13x slower at 1,500 tokens, measured).
     qp = q.transpose(0, 1)[None]  # [1, H, n, D]
-    kernel = takes_prefill(dtype, q.device, q.shape[2])  # bf16, AVX512-BF16: C++ kernel
+    kernel = takes_prefill(dtype, q.device, q.shape[2])  # C++: AVX512-BF16 bf16, AVX2 fp32
     if p.context_slots is None and kernel:
         return prefill_attention(q, k.to(dtype), v.to(dtype), 0, scale)
     if p.context_slots is None:
