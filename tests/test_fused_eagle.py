@@ -78,3 +78,22 @@ def test_greedy_decoding_with_fused_drafts_equals_plain_decoding(eagle_llm):
     assert drafted == expected
     stats = eagle_llm.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # the head drafted, some kept
+
+
+def test_draft_lm_head_rows_come_from_the_bf16_copy_where_gemms_run_in_fp32(eagle_llm):
+    """Where the target's GEMMs run in fp32 (a bf16 model on a CPU without native bf16), the
+    head's FR-Spec rows are gathered from the LM head's bf16 copy (half the bytes a draft)
+    and multiplied by the bf16 GEMV: within bf16 rounding of the fp32 product, same argmax
+    on well-separated rows."""
+    from pdserve.engine.layers.linear import Fp32GemmLinear
+
+    head = eagle_llm.engine.proposer.model
+    if not isinstance(head.target.lm_head, Fp32GemmLinear) or not head.has_draft_vocab:
+        pytest.skip("the target's LM head is bf16 here (native bf16 GEMMs)")
+    head._draft_lm_head = None
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, eagle_llm.engine.arch.hidden_size, generator=gen).bfloat16()
+    logits, ids = head.compute_draft_logits(hidden)
+    assert head._draft_lm_head.dtype == torch.bfloat16
+    ref = hidden.double() @ head.target.lm_head.weight.double()[ids].T
+    torch.testing.assert_close(logits.double(), ref, rtol=1e-2, atol=0.05)
