@@ -13,8 +13,9 @@
 // need no packing. Every value is fp32; 2^x is a degree-6 polynomial (relative error
 // ~1e-7).
 //
-// Compiled with cpu_decode.cpp as one translation unit (cpu_decode.py puts this text before
-// it), which binds prefill_attention_f32 in every build.
+// Compiled with cpu_decode.cpp as one translation unit (cpu_decode.py puts this text after
+// cpu_prefill_attention.cpp, whose operand checks it shares, and before cpu_decode.cpp,
+// which binds prefill_attention_f32 in every build).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -186,15 +187,8 @@ void run(const float* q, const float* k, const float* v, float* out, const Shape
 torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                     int64_t num_ctx, double scale) {
     using namespace pdserve_flash_f32;
-    TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 &&
-                v.dtype() == torch::kFloat32, "q, k, v must be fp32");
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-D");
+    check_prefill_operands(q, k, v, num_ctx, torch::kFloat32, "fp32");  // cpu_prefill_attention.cpp
     const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
-    TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && k.size(0) == num_ctx + n &&
-                num_ctx >= 0 && Hkv > 0 && H % Hkv == 0, "shapes do not match");
-    TORCH_CHECK(D == 32 || D == 64 || D == 128, "head_dim must be 32, 64 or 128");
-    for (const auto& t : {q, k, v})
-        TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == D, "last two dimensions must be contiguous");
     auto out = torch::empty({n, H, D}, q.options());
     if (n == 0) return out;
     const Shapes s{n, num_ctx, num_ctx + n, H, Hkv, H / Hkv, q.stride(0), k.stride(0),

@@ -25,6 +25,23 @@
 #include <cstring>
 #include <vector>
 
+// The checks both prefill kernels make of their operands (this one and cpu_flash_f32.cpp):
+// q [n, H, D], k/v [num_ctx + n, Hkv, D] of `dtype` (named in the error), D in {32, 64,
+// 128}, H a multiple of Hkv, last two dimensions contiguous. Raises c10::Error.
+inline void check_prefill_operands(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, int64_t num_ctx,
+                                   c10::ScalarType dtype, const char* dtype_name) {
+    TORCH_CHECK(q.scalar_type() == dtype && k.scalar_type() == dtype &&
+                v.scalar_type() == dtype, "q, k, v must be ", dtype_name);
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-D");
+    const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
+    TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && k.size(0) == num_ctx + n &&
+                num_ctx >= 0 && Hkv > 0 && H % Hkv == 0, "shapes do not match");
+    TORCH_CHECK(D == 32 || D == 64 || D == 128, "head_dim must be 32, 64 or 128");
+    for (const auto& t : {q, k, v})
+        TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == D, "last two dimensions must be contiguous");
+}
+
 #if defined(__AVX512BF16__)
 namespace pdserve_prefill_attention {
 
@@ -262,15 +279,8 @@ inline void causal(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                 int64_t num_ctx, double scale) {
     using namespace pdserve_prefill_attention;
-    TORCH_CHECK(q.dtype() == torch::kBFloat16 && k.dtype() == torch::kBFloat16 &&
-                v.dtype() == torch::kBFloat16, "q, k, v must be bf16");
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-D");
+    check_prefill_operands(q, k, v, num_ctx, torch::kBFloat16, "bf16");
     const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
-    TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && k.size(0) == num_ctx + n &&
-                num_ctx >= 0 && Hkv > 0 && H % Hkv == 0, "shapes do not match");
-    TORCH_CHECK(D == 32 || D == 64 || D == 128, "head_dim must be 32, 64 or 128");
-    for (const auto& t : {q, k, v})
-        TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == D, "last two dimensions must be contiguous");
     auto out = torch::empty({n, H, D}, q.options());
     if (n == 0) return out;
     Shapes s{n, num_ctx, num_ctx + n, H, Hkv, H / Hkv, D, (num_ctx + n + KB - 1) / KB,
