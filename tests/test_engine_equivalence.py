@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -131,3 +132,22 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_a_warm_prefix_cach
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
     plain = llm.generate([prompt], GREEDY, detokenize=False)[0]
     assert plain.prompt_logprobs is None
+
+
+def test_a_checkpoint_without_a_weight_is_refused_and_init_is_restored(tiny_llama_checkpoint,
+                                                                       tmp_path):
+    """Models are built without random init (the loader writes every weight), so a
+    checkpoint lacking one weight must be refused, not served with uninitialized memory;
+    and ``nn.Linear`` initializes again after the build, also after a failed one."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny_llama_checkpoint
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="missing parameters.*layers.1.mlp.down_proj"):
+        LLM(str(tmp_path), dtype="float32", load_progress=False)
+    torch.manual_seed(0)
+    weight = torch.nn.Linear(64, 64).weight
+    assert weight.abs().max() <= 1 / 8 and weight.std() > 0.03  # kaiming-uniform bounds

@@ -4,9 +4,8 @@ KV cache, computes logits only for rows that sample, and samples them."""
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -16,6 +15,7 @@ from pdserve.engine.compiled.fused_decode import FusedCpuDecode
 from pdserve.engine.config import EngineConfig, ModelArchConfig
 from pdserve.engine.layers.linear import swap_to_fp32_gemm, wants_fp32_gemm
 from pdserve.engine.loader.checkpoint import Checkpoint
+from pdserve.engine.loader.construct import building_model
 from pdserve.engine.models import get_model_class
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.paged_kv_cache import PagedKVCache
@@ -27,16 +27,6 @@ from pdserve.engine.step_inputs import StepInputs
 from pdserve.engine.structured_output import StepMasks, StructuredOutputManager, apply_token_bitmask
 from pdserve.engine.quantization import load_model_weights, prepare_cpu_gemms, weight_memory
 from pdserve.memory import keep_freed_memory
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 @dataclass
@@ -101,7 +91,7 @@ def load_model(arch: ModelArchConfig, checkpoint: Checkpoint, dtype: torch.dtype
             quantization method that does not fit the checkpoint.
     """
     model_cls = get_model_class(arch.architecture)
-    with _default_dtype(dtype), device:
+    with building_model(dtype, device):
         model = model_cls(arch, backend, max_model_len)
     use_fp32_gemm = wants_fp32_gemm(device, dtype)
     load_model_weights(model, arch, checkpoint, quantization, quantization_skip, dtype,
