@@ -49,14 +49,26 @@ def apply_penalties(
     return logits - presence_penalties.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
 
 
+#: Tokens a top-k/top-p row is first cut from (``torch.topk``, sorted): a row whose top-k
+#: is at most this, or whose candidates hold ``top_p`` of the probability, needs no sort of
+#: its whole vocabulary (49,152 tokens: ~4 ms a row on one Zen 3 core, 134 ms a step for 32
+#: rows; ``topk(256)`` ~0.2 ms a row).
+NUM_TOP_CANDIDATES = 256
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
     """Masks tokens outside each row's top-k and then top-p set with -inf; returns a new tensor.
 
-    top-k keeps exactly ``k`` tokens (ties at the k-th value broken by sort order).
-    top-p keeps the smallest prefix, by descending probability among the top-k survivors,
-    whose cumulative probability reaches ``top_p``; the most likely token is always kept.
+    top-k keeps exactly ``k`` tokens (ties at the k-th value broken by ``torch.topk``'s
+    order). top-p keeps the smallest prefix, by descending probability among the top-k
+    survivors, whose cumulative probability reaches ``top_p`` (nucleus sampling, Holtzman et
+    al. 2020); the most likely token is always kept.
+
+    Each row is first cut to its :data:`NUM_TOP_CANDIDATES` most likely tokens (or its
+    top-k, if larger); only rows whose kept set may reach past those candidates (a top-p
+    nucleus holding more tokens, as flat distributions do) sort their whole vocabulary.
 
     Args:
         logits: ``[B, V]`` fp32 (already temperature-scaled).
@@ -68,20 +80,54 @@ def apply_top_k_top_p(
     """
     if top_k is None and top_p is None:
         return logits
+    num_rows, vocab_size = logits.shape
+    k = (torch.full((num_rows,), vocab_size, device=logits.device) if top_k is None
+         else torch.where(top_k > 0, top_k, vocab_size).clamp_max(vocab_size))  # [B]
+    p = torch.ones(num_rows, device=logits.device) if top_p is None else top_p  # [B]
+    cut_by_k = k < vocab_size
+    num = min(vocab_size, max(NUM_TOP_CANDIDATES, int(torch.where(cut_by_k, k, 0).max())))
+    values, token_ids = logits.topk(num, dim=-1)  # [B, num], descending
+    values.masked_fill_(torch.arange(num, device=logits.device) >= k.unsqueeze(1),
+                        float("-inf"))
+    # probabilities among the top-k survivors: all of them are candidates where k <= num
+    log_norm = torch.where(cut_by_k, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (values - log_norm.unsqueeze(1)).exp()  # [B, num]
+    drop = (probs.cumsum(dim=-1) - probs) >= p.unsqueeze(1)  # mass of strictly likelier
+    drop[:, 0] = False
+    drop &= (p < 1.0).unsqueeze(1)  # a disabled row must not lose a tail to rounding
+    values.masked_fill_(drop, float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter_(1, token_ids, values)
+    truncated = cut_by_k | (p < 1.0)
+    out = torch.where(truncated.unsqueeze(1), out, logits)
+    # the rest of the vocabulary is dropped only if top-k or the candidates' mass says so
+    uncovered = truncated & ~cut_by_k & (probs.sum(dim=-1) < p)
+    if bool(uncovered.any()):
+        rows = uncovered.nonzero().squeeze(1)
+        out[rows] = sort_top_k_top_p(logits[rows], k[rows], p[rows])
+    return out
+
+
+def sort_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_top_k_top_p` by one sort of each row's whole vocabulary (the rows it
+    cannot cut from candidates, and its reference in tests).
+
+    Args:
+        logits: ``[B, V]`` fp32.
+        k: ``[B]`` int64 tokens kept by top-k, ``V`` = disabled.
+        p: ``[B]`` fp32, 1.0 = disabled.
+
+    Returns:
+        ``[B, V]`` fp32.
+    """
     vocab_size = logits.shape[1]
     sorted_logits, sorted_token_ids = logits.sort(dim=-1, descending=True)  # [B, V]
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)  # [B, 1]
-        positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, V]
-        sorted_logits.masked_fill_(positions >= k, float("-inf"))
-    if top_p is not None:
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        prob_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly likelier
-        drop = prob_before >= top_p.unsqueeze(1)
-        drop[:, 0] = False
-        # A disabled row must not lose its tail to cumsum rounding near 1.0.
-        drop &= (top_p < 1.0).unsqueeze(1)
-        sorted_logits.masked_fill_(drop, float("-inf"))
+    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, V]
+    sorted_logits.masked_fill_(positions >= k.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p.unsqueeze(1)
+    drop[:, 0] = False
+    drop &= (p < 1.0).unsqueeze(1)
+    sorted_logits.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_token_ids, sorted_logits)
 
 
