@@ -47,7 +47,7 @@ def test_killed_prefill_worker_is_dropped_and_requests_recompute():
         wait_workers(srv, "prefill", 1)
         initial = wait_idle(srv)
         assert initial["pdserve:kv_cache_usage_perc{}"] == 0
-        for attempt in range(5):
+        for attempt in range(3):  # 3: CI time (5 passed too)
             victims = _prefill_pids(srv.proc.pid) if attempt == 0 else [extra[-1].pid]
             prompt = long_prompt(300 + attempt, min_words=1200)
             with httpx.Client(timeout=120) as http:
