@@ -459,28 +459,31 @@ def test_build_rejects_logit_bias_outside_vocabulary():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_top_k_top_p_from_candidates_equals_the_full_sort_on_a_real_sized_vocabulary(seed):
-    """Rows cut from their 256 most likely tokens (peaked rows, a top-k past 256 that widens
-    the cut, a grammar mask) and rows that need the whole vocabulary sorted (a flat row
-    whose nucleus holds thousands of tokens) keep exactly the tokens, and logits, that one
-    sort of every row keeps; rows without truncation come back unchanged."""
-    from pdserve.engine.sample.logits_processors import (NUM_TOP_CANDIDATES,
+def test_top_k_top_p_from_candidates_keeps_the_exact_nucleus_on_a_real_sized_vocabulary(seed):
+    """Rows settled among their 256 most likely tokens (peaked rows, a top-k past 256 that
+    widens the cut, a grammar mask), among 4,096 (a nucleus of ~1-3 thousand tokens), and
+    rows whose whole vocabulary is sorted (a nucleus of thousands more) keep exactly the
+    tokens, and logits, that a float64 sort of every row keeps; rows without truncation come
+    back unchanged."""
+    from pdserve.engine.sample.logits_processors import (TOP_CANDIDATE_SIZES,
                                                          apply_top_k_top_p, sort_top_k_top_p)
 
     vocab = 49152
     gen = torch.Generator().manual_seed(seed)
-    scale = torch.tensor([8.0, 6.0, 0.05, 5.0, 4.0, 0.02, 7.0, 3.0]).unsqueeze(1)
-    logits = torch.randn(8, vocab, generator=gen) * scale
+    scale = torch.tensor([8.0, 6.0, 3.0, 5.0, 4.0, 1.0, 7.0, 2.5, 0.05]).unsqueeze(1)
+    logits = torch.randn(9, vocab, generator=gen) * scale
     logits[6, torch.randperm(vocab, generator=gen)[:vocab - 100]] = float("-inf")  # grammar
-    top_k = torch.tensor([0, 1000, 0, 50, 0, 0, 0, 0])
-    top_p = torch.tensor([0.9, 0.95, 0.95, 1.0, 1.0, 0.5, 0.99, 0.8])
+    top_k = torch.tensor([0, 1000, 0, 50, 0, 0, 0, 0, 0])
+    top_p = torch.tensor([0.9, 0.95, 0.8, 1.0, 1.0, 0.5, 0.99, 0.8, 0.95])
     got = apply_top_k_top_p(logits, top_k, top_p)
-    want = sort_top_k_top_p(logits, torch.where(top_k > 0, top_k, vocab), top_p)
-    assert torch.equal(got.isfinite(), want.isfinite())
-    assert torch.equal(got[got.isfinite()], want[want.isfinite()])
+    exact = sort_top_k_top_p(logits.double(), torch.where(top_k > 0, top_k, vocab),
+                             top_p.double())
+    assert torch.equal(got.isfinite(), exact.isfinite())
+    assert torch.equal(got[got.isfinite()], logits[exact.isfinite()])
     kept = got.isfinite().sum(dim=1)
-    assert kept[2] > 10 * NUM_TOP_CANDIDATES and kept[5] > NUM_TOP_CANDIDATES  # sorted whole
+    small, large = TOP_CANDIDATE_SIZES
+    assert small < kept[2] <= large and small < kept[7] <= large  # the second size
+    assert kept[5] > large and kept[8] > large  # sorted whole
     assert kept[1] <= 1000 and kept[3] == 50 and kept[6] <= 100
     assert torch.equal(got[4], logits[4])  # top_p 1.0, no top_k: untouched
-    assert torch.equal(apply_top_k_top_p(logits, None, top_p)[[0, 7]],
-                       sort_top_k_top_p(logits, torch.full((8,), vocab), top_p)[[0, 7]])
+    assert torch.equal(apply_top_k_top_p(logits, None, top_p)[[0, 2, 7]], got[[0, 2, 7]])
