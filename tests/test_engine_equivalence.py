@@ -134,19 +134,22 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_a_warm_prefix_cach
     assert plain.prompt_logprobs is None
 
 
+@pytest.mark.parametrize("dropped", ["mlp.down_proj.weight", "self_attn.v_proj.weight",
+                                     "mlp.up_proj.weight"])
 def test_a_checkpoint_without_a_weight_is_refused_and_init_is_restored(tiny_llama_checkpoint,
-                                                                       tmp_path):
+                                                                       tmp_path, dropped):
     """Models are built without random init (the loader writes every weight), so a
-    checkpoint lacking one weight must be refused, not served with uninitialized memory;
-    and ``nn.Linear`` initializes again after the build, also after a failed one."""
+    checkpoint lacking one weight, also one shard of a fused layer (v of qkv, up of
+    gate_up), must be refused, not served with uninitialized memory; and ``nn.Linear``
+    initializes again after the build, also after a failed one."""
     from safetensors.torch import load_file, save_file
 
     path, _ = tiny_llama_checkpoint
     shutil.copytree(path, tmp_path, dirs_exist_ok=True)
     tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.mlp.down_proj.weight"]
+    del tensors[f"model.layers.1.{dropped}"]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="missing parameters.*layers.1.mlp.down_proj"):
+    with pytest.raises(ValueError, match=r"missing parameters.*layers\.1\.(mlp|self_attn)\."):
         LLM(str(tmp_path), dtype="float32", load_progress=False)
     torch.manual_seed(0)
     weight = torch.nn.Linear(64, 64).weight

@@ -487,3 +487,12 @@ def test_top_k_top_p_from_candidates_keeps_the_exact_nucleus_on_a_real_sized_voc
     assert kept[1] <= 1000 and kept[3] == 50 and kept[6] <= 100
     assert torch.equal(got[4], logits[4])  # top_p 1.0, no top_k: untouched
     assert torch.equal(apply_top_k_top_p(logits, None, top_p)[[0, 2, 7]], got[[0, 2, 7]])
+
+
+def test_top_k_top_p_of_no_rows_is_no_rows():
+    """A verification step can hold no draft rows: nothing to cut, nothing raised."""
+    from pdserve.engine.sample.logits_processors import apply_top_k_top_p
+
+    empty = torch.empty(0, 49152)
+    out = apply_top_k_top_p(empty, torch.empty(0, dtype=torch.int64), torch.empty(0))
+    assert out.shape == (0, 49152)

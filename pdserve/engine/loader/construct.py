@@ -18,7 +18,8 @@ def building_model(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
     """Modules built inside get ``dtype`` parameters on ``device``, and ``nn.Linear`` and
     ``nn.Embedding`` skip their random initialization: their weights are left as
     allocated (``torch.empty``) for a loader that writes each of them and raises for any it
-    does not (``load_weights`` of the models and the EAGLE head). Kaiming-uniform init of
+    does not (the models' ``load_weights``, shards of fused layers included, and the
+    quantized loader). Kaiming-uniform init of
     SmolLM2's ~135 M weights took ~2.7 s of each worker's start on one core.
 
     Not thread-safe: the two classes' ``reset_parameters`` are swapped while the block

@@ -241,10 +241,12 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             ValueError: for an unexpected tensor name or a shape mismatch, and (after the
-                loop) for any parameter the checkpoint did not provide.
+                loop) for any parameter, or shard of a fused one, the checkpoint did not
+                provide (built without random init, it would hold whatever memory held).
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        shards: set[tuple[str, int]] = set()  # (fused parameter, shard index) written
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -270,7 +272,14 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             loaded.add(target)
+            if shard is not None:
+                shards.add((target, shard[1]))
         missing = set(params) - loaded
+        for target in loaded:  # a fused parameter lacking a shard (e.g. v_proj) is missing too
+            fused = next((f for f in (".qkv_proj.", ".gate_up_proj.") if f in target), None)
+            if fused and any((target, i) not in shards
+                             for i in range(len(self._shard_sizes(fused)))):
+                missing.add(f"{target} (a shard of it)")
         if self.cfg.tie_word_embeddings:
             missing.discard("lm_head.weight")
         if missing:

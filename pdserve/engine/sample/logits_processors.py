@@ -66,7 +66,8 @@ def apply_top_k_top_p(
     top-k keeps exactly ``k`` tokens (ties at the k-th value broken by ``torch.topk``'s
     order). top-p keeps the smallest prefix, by descending probability among the top-k
     survivors, whose cumulative probability reaches ``top_p`` (nucleus sampling, Holtzman et
-    al. 2020); the most likely token is always kept. Each row is cut from its most likely
+    al. 2020); the most likely token is always kept. Syncs with the host (how many rows each
+    candidate size settles). Each row is cut from its most likely
     tokens (:data:`TOP_CANDIDATE_SIZES`); the probabilities are summed over those alone,
     which is nearer the exact nucleus than a cumulative sum over the whole sorted vocabulary
     in fp32 (that sum's rounding, ~1e-5 over 49,152 tokens, dropped the boundary token of
@@ -80,9 +81,9 @@ def apply_top_k_top_p(
     Returns:
         ``[B, V]`` fp32.
     """
-    if top_k is None and top_p is None:
-        return logits
     num_rows, vocab_size = logits.shape
+    if (top_k is None and top_p is None) or num_rows == 0:
+        return logits
     k = (torch.full((num_rows,), vocab_size, device=logits.device) if top_k is None
          else torch.where(top_k > 0, top_k, vocab_size).clamp_max(vocab_size))  # [B]
     p = torch.ones(num_rows, device=logits.device) if top_p is None else top_p  # [B]

@@ -18,7 +18,8 @@ Processing order of the slow path (each step only when some row needs it)::
                           ─► inverse transform: one uniform u per row, the first
                              token whose cumulative probability exceeds u (draws.py)
 
-The sampler never modifies the caller's logits tensor and does no host sync.
+The sampler never modifies the caller's logits tensor and does no host sync, except in
+top-k/top-p (which rows its candidate cut settles).
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ class Sampler:
         default_generator: torch.Generator | None,
     ) -> torch.Tensor:
         """Temperature, min_p, top_k, top_p, then one token per row by inverse transform
-        sampling (:func:`~pdserve.engine.sample.draws.sample_rows`, one uniform per row, no
-        host sync). Returns ``[B]`` int64. Greedy rows in a mixed batch are computed too
+        sampling (:func:`~pdserve.engine.sample.draws.sample_rows`, one uniform per row; no
+        host sync but top-k/top-p's). Returns ``[B]`` int64. Greedy rows in a mixed batch are computed too
         (with temperature 1) and overwritten by the caller.
         """
         is_greedy = metadata.temperature <= GREEDY_TEMPERATURE
