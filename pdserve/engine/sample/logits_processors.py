@@ -118,10 +118,7 @@ def _cut_from_candidates(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
     # probabilities among the top-k survivors: all of them are candidates where k <= num
     log_norm = torch.where(cut_by_k, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
     probs = (values - log_norm.unsqueeze(1)).exp()  # [R, num]
-    drop = (probs.cumsum(dim=-1) - probs) >= p.unsqueeze(1)  # mass of strictly likelier
-    drop[:, 0] = False
-    drop &= (p < 1.0).unsqueeze(1)  # a disabled row must not lose a tail to rounding
-    values.masked_fill_(drop, float("-inf"))
+    _mask_past_nucleus(values, probs, p)
     return values, token_ids, cut_by_k | (probs.sum(dim=-1) >= p)
 
 
@@ -142,11 +139,19 @@ def sort_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> 
     positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, V]
     sorted_logits.masked_fill_(positions >= k.unsqueeze(1), float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
+    _mask_past_nucleus(sorted_logits, sorted_probs, p)
+    return torch.empty_like(logits).scatter_(1, sorted_token_ids, sorted_logits)
+
+
+def _mask_past_nucleus(sorted_logits: torch.Tensor, sorted_probs: torch.Tensor,
+                       p: torch.Tensor) -> None:
+    """Top-p in place on ``[R, N]`` logits sorted descending, with their probabilities: -inf
+    where the mass of strictly likelier tokens reaches ``p`` (``[R]``); the first token and
+    rows with ``p`` 1.0 (which must not lose a tail to rounding) keep everything."""
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p.unsqueeze(1)
     drop[:, 0] = False
     drop &= (p < 1.0).unsqueeze(1)
     sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_token_ids, sorted_logits)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
