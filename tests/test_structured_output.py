@@ -137,12 +137,49 @@ def test_enforced_format_rejects_a_violation(compiler, tokenizer, fmt):
     ({"$ref": "https://example.com/s.json"}, "$ref", "#"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]},
      "required", "#"),
+    # patterns the grammar cannot hold (it would drop them with a warning)
+    ({"type": "string", "pattern": "^(?!a)[a-z]$"}, "pattern", "#"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": r"(x)\1"}}},
+     "pattern", "#/properties/a"),
+    ({"type": "object", "patternProperties": {"(?<=a)b": {}}}, "patternProperties", "#"),
+    # constraints beside enum / const / $ref that the grammar would drop, and lists that
+    # nothing beside them allows
+    ({"type": "string", "const": 5}, "const", "#"),
+    ({"type": "string", "enum": [1, 2]}, "enum", "#"),
+    ({"type": "integer", "const": 7, "maximum": 3}, "const", "#"),
+    ({"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "maximum": 3}, "$ref", "#"),
+    ({"$defs": {"A": {"type": "object"}}, "$ref": "#/$defs/A",
+      "properties": {"y": {"type": "integer"}}, "required": ["y"]}, "$ref", "#"),
+    ({"anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}], "maximum": 3,
+      "$defs": {"A": {"type": "integer"}}}, "anyOf", "#/anyOf/0"),
 ])
 def test_unsupported_keyword_is_refused_by_name_and_place(schema, keyword, path):
     with pytest.raises(UnsupportedSchemaError) as info:
         validate_structured_output(StructuredOutputParams.json_schema(schema))
     assert (info.value.keyword, info.value.path) == (keyword, path)
     assert keyword.split(":")[-1] in str(info.value)
+
+
+#: schema with enforced keywords beside enum / anyOf -> (a value they forbid, one they allow)
+SIBLING_CASES = [
+    ({"enum": ["a", "b"], "pattern": "^b$"}, '"a"', '"b"'),
+    ({"enum": ["a", "bbbb"], "minLength": 3}, '"a"', '"bbbb"'),
+    ({"type": "integer", "enum": [1, 5, 9], "minimum": 4, "maximum": 6}, "9", "5"),
+    ({"const": "x", "enum": ["x", "y"]}, '"y"', '"x"'),
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}], "maximum": 3, "maxLength": 1},
+     "1234", "3"),
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}], "maximum": 3, "maxLength": 1},
+     '"ab"', '"a"'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "{}", '{"b": 1}'),
+]
+
+
+@pytest.mark.parametrize("schema,bad,good", SIBLING_CASES)
+def test_keywords_beside_enum_and_any_of_are_enforced(compiler, tokenizer, schema, bad, good):
+    params = StructuredOutputParams.json_schema(schema)
+    assert not accepts(compiler, tokenizer, params, bad)
+    assert accepts(compiler, tokenizer, params, good)
 
 
 def test_invalid_schema_is_refused():

@@ -44,6 +44,19 @@ def _error_text(exc: Exception) -> str:
     return re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(exc).strip())
 
 
+def regex_error(pattern: str) -> str | None:
+    """Why the grammar engine cannot enforce ``pattern`` (a lookahead, a backreference, a
+    word boundary, ...), or None when it can. Inside a JSON schema the engine would drop such
+    a pattern with a warning; :func:`check_json_schema` refuses it with this reason."""
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_regex(pattern)
+    except RuntimeError as exc:
+        return _error_text(exc)
+    return None
+
+
 def validate_structured_output(params: StructuredOutputParams) -> None:
     """Checks that ``params`` compiles, without a tokenizer (cheap; for the API server).
 

@@ -9,6 +9,7 @@ violating value is rejected by the compiled grammar (``tests/test_structured_out
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 #: Keywords the grammar enforces (xgrammar 0.2, checked one by one by the tests).
@@ -43,6 +44,9 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_VALUES = ("additionalProperties", "items", "propertyNames")
 #: Keywords whose value is a list of subschemas.
 _SCHEMA_LISTS = ("anyOf", "prefixItems")
+#: Keywords that constrain nothing beside ``enum``, ``const``, ``$ref`` or ``anyOf`` (the
+#: grammar compiles those four alone and drops every other constraint next to them).
+_INERT = ANNOTATION_KEYWORDS | {"$defs", "definitions"}
 
 
 class UnsupportedSchemaError(ValueError):
@@ -96,7 +100,7 @@ def _check(node: Any, path: str) -> Any:
         return node
     if not isinstance(node, dict):
         raise UnsupportedSchemaError(type(node).__name__, path, "a schema must be an object")
-    node = _unwrap_all_of(node, path)
+    node = _combine_siblings(_unwrap_all_of(node, path), path)
     out: dict[str, Any] = {}
     for keyword, value in node.items():
         if keyword in ANNOTATION_KEYWORDS:
@@ -136,6 +140,12 @@ def _check_value(keyword: str, value: Any, node: dict, path: str) -> None:
         raise UnsupportedSchemaError(
             keyword, path, f"only references inside the schema (#/...) are supported, "
             f"got {value!r}")
+    if keyword in ("pattern", "patternProperties"):
+        from pdserve.engine.structured_output.backend import regex_error
+
+        for pattern in ([value] if keyword == "pattern" else value):
+            if (reason := regex_error(pattern)) is not None:
+                raise UnsupportedSchemaError(keyword, path, f"pattern {pattern!r}: {reason}")
     if keyword == "required":
         listed = node.get("properties", {})
         missing = [name for name in value if name not in listed]
@@ -143,6 +153,59 @@ def _check_value(keyword: str, value: Any, node: dict, path: str) -> None:
             raise UnsupportedSchemaError(
                 keyword, path, f"it names {missing}, which are not in properties: only "
                 "listed properties can be required")
+
+
+def _combine_siblings(node: dict, path: str) -> dict:
+    """``node`` with the constraints beside its ``enum``/``const`` applied to the listed
+    values, or beside its ``anyOf`` copied into each branch ((A or B) and S = (A and S) or
+    (B and S)); refused beside a ``$ref``."""
+    active = [k for k in node if k not in _INERT]
+    if "enum" in node or "const" in node:
+        return _filter_listed_values(node, path)
+    if "$ref" in node and len(active) > 1:
+        others = [k for k in active if k != "$ref"]
+        raise UnsupportedSchemaError(
+            "$ref", path, f"keywords beside $ref ({', '.join(others)}) are not enforced; "
+            "put them in the referenced schema")
+    if "anyOf" not in node or len(active) == 1:
+        return node
+    siblings = {k: node[k] for k in active if k != "anyOf"}
+    branches = []
+    for i, branch in enumerate(node["anyOf"]):
+        branch = {} if branch is True else branch
+        if branch is False:
+            continue
+        if isinstance(branch, dict) and ("$ref" in branch or set(branch) & set(siblings)):
+            raise UnsupportedSchemaError(
+                "anyOf", f"{path}/anyOf/{i}", f"the keywords beside anyOf ({', '.join(siblings)}) "
+                "cannot be merged into this branch (it has a $ref or the same keywords)")
+        branches.append({**branch, **siblings} if isinstance(branch, dict) else branch)
+    return {**{k: v for k, v in node.items() if k in _INERT}, "anyOf": branches}
+
+
+def _filter_listed_values(node: dict, path: str) -> dict:
+    """``enum``/``const`` keeping only the values the other keywords of ``node`` allow."""
+    import jsonschema
+
+    keyword = "const" if "const" in node else "enum"
+    values = [node["const"]] if keyword == "const" else list(node["enum"])
+    siblings = {k: v for k, v in node.items() if k not in _INERT and k not in ("enum", "const")}
+    if "enum" in node and keyword == "const":
+        siblings["enum"] = node["enum"]
+    if siblings:
+        if "$ref" in json.dumps(siblings):
+            raise UnsupportedSchemaError(keyword, path, f"{keyword} beside a $ref is not "
+                                         "supported")
+        validator = jsonschema.Draft202012Validator(
+            siblings, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        values = [v for v in values if validator.is_valid(v)]
+    if not values:
+        raise UnsupportedSchemaError(
+            keyword, path, f"no value it lists satisfies the keywords beside it "
+            f"({', '.join(siblings)}): nothing could be generated")
+    out = {k: v for k, v in node.items() if k in _INERT}
+    out[keyword] = values[0] if keyword == "const" else values
+    return out
 
 
 def _unwrap_all_of(node: dict, path: str) -> dict:
