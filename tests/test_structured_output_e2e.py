@@ -185,6 +185,31 @@ def test_named_function_streams_deltas_that_reassemble_to_the_call(client):
     assert len(ids) == 1
 
 
+def few_shot_two_calls(first: str, second: str) -> list[dict]:
+    """A past turn that called get_weather for two cities at once, with unit "c"."""
+    calls = [{"id": f"call_{c}", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": c, "unit": "c"})}}
+        for c in (first, second)]
+    return [{"role": "user", "content": f"What's the weather in {first} and {second}?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            *[{"role": "tool", "tool_call_id": call["id"], "content": "20"} for call in calls],
+            {"role": "assistant", "content": "It is 20 C in both."}]
+
+
+def test_auto_holds_strict_arguments_and_one_call_when_parallel_calls_are_off(client):
+    """After a history of two calls a turn with unit "c" (outside the enum), the model
+    calls twice again with unit "c" unless tool_choice auto follows the grammar."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    messages = [*few_shot_two_calls("Rome", "Oslo"), *few_shot_two_calls("Lima", "Kyiv"),
+                {"role": "user", "content": "What's the weather in Paris and Berlin?"}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[strict, TIME], parallel_tool_calls=False,
+        temperature=0, max_tokens=64)
+    (call,) = resp.choices[0].message.tool_calls
+    assert resp.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
 def test_auto_with_a_plain_answer_stays_text(client):
     resp = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER],
@@ -215,6 +240,8 @@ BAD_REQUESTS = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "string"}}}]}, "tools.0.function.parameters", "type 'object'"),
     ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", "Input"),
+    ({"tools": [WEATHER], "parallel_tool_calls": False, "response_format": {
+        "type": "json_object"}}, "response_format", "parallel_tool_calls"),
     # forms of enforced keywords the grammar engine would drop
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "number", "multipleOf": 0.5}}}},

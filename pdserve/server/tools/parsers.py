@@ -17,8 +17,10 @@ A block that does not parse as JSON (the output was cut by ``max_tokens``, or th
 wrote invalid JSON) is still a call once its head ``{"name": "...", "arguments":`` is
 complete: its arguments are the text as far as it got, as OpenAI returns a call cut by
 ``length``; it counts as a parse failure. A cut block whose head never completed is
-dropped; a closed block that is not a call stays text. Streamed and non-streamed outputs
-follow the same rules.
+dropped; a closed block that is not a call stays text. A cut block whose call is complete
+but whose end tag was cut (``}}\n</tool_``) is a whole call, and a start tag cut at the very
+end of the output (``<tool``) is dropped, not sent as content. Streamed and non-streamed
+outputs follow the same rules.
 """
 
 from __future__ import annotations
@@ -159,11 +161,13 @@ class HermesToolParser:
         while True:
             start = text.find(TOOL_CALL_START, pos)
             if start < 0:
-                content_parts.append(text[pos:])
+                content_parts.append(_without_cut_tag(text[pos:], TOOL_CALL_START))
                 break
             end = text.find(TOOL_CALL_END, start)
             body_end = len(text) if end < 0 else end
             body = text[start + len(TOOL_CALL_START):body_end]
+            if end < 0:
+                body = _complete_cut_call(body)
             parsed = _split_call(body)
             block_end = len(text) if end < 0 else end + len(TOOL_CALL_END)
             head = _CALL_HEAD.match(body) if parsed is None else None
@@ -198,6 +202,20 @@ def _held_back(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+def _without_cut_tag(text: str, marker: str) -> str:
+    """``text`` (the end of an output) less a start of ``marker`` cut at its very end."""
+    stripped = text.rstrip()
+    cut = _held_back(stripped, marker)
+    return stripped[:len(stripped) - cut] if cut else text
+
+
+def _complete_cut_call(body: str) -> str:
+    """A block cut before its end tag: the body without the cut end tag (``}\n</tool_``)
+    when what precedes it is a whole call, else the body as it is."""
+    trimmed = _without_cut_tag(body, TOOL_CALL_END)
+    return trimmed if trimmed is not body and _split_call(trimmed) is not None else body
 
 
 class HermesToolStream:
@@ -237,9 +255,9 @@ class HermesToolStream:
         while self._step(out, final=True):
             pass
         if self._in_call:  # output ended inside a call (no end tag)
-            self._close_call(out, self._buffer, closed=False)
+            self._close_call(out, _complete_cut_call(self._buffer), closed=False)
         elif self._buffer:
-            out.content += self._buffer.rstrip()
+            out.content += _without_cut_tag(self._buffer, TOOL_CALL_START).rstrip()
         self._buffer = ""
         return out
 
@@ -257,7 +275,7 @@ class HermesToolStream:
                     keep += len(before) - len(before.rstrip())
                     out.content += self._buffer[:len(self._buffer) - keep]
                 else:  # the end of the output: trailing whitespace is not content
-                    out.content += self._buffer.rstrip()
+                    out.content += _without_cut_tag(self._buffer, TOOL_CALL_START).rstrip()
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return False
             out.content += self._buffer[:start].rstrip()
