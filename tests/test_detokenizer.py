@@ -223,6 +223,26 @@ def test_stop_spanning_three_deltas():
     assert stream_stop(StopStringMatcher(["STOP"]), deltas) == ("Hello ", True)
 
 
+def test_include_stop_sends_the_stop_string_too():
+    assert stream_stop(StopStringMatcher(["STOP"], include_stop=True),
+                       ["Hello ST", "OP world"]) == ("Hello STOP", True)
+
+
+def test_no_stop_string_ends_the_text_before_min_tokens():
+    """vLLM's rule: stop strings count once min_tokens tokens are out; one that ended in
+    the text before that never ends it later, one that ends after it does."""
+    matcher = StopStringMatcher([",", "ab"], min_tokens=3)
+    assert matcher.process(" 4,", num_tokens=2) == (" 4", False)  # "," held, not a stop
+    assert matcher.process(" 5", num_tokens=3) == (", 5", False)
+    assert matcher.process(",", num_tokens=4) == ("", True)
+    matcher = StopStringMatcher(["xaby", "ab"], min_tokens=2)
+    assert matcher.process("1 xab", num_tokens=1) == ("1 ", False)  # "ab" ended too early
+    assert matcher.process("z", num_tokens=2) == ("xabz", False)
+    matcher = StopStringMatcher(["STOP"], min_tokens=2)
+    assert matcher.process("a ST", num_tokens=1) == ("a ", False)
+    assert matcher.process("OP b", num_tokens=2) == ("", True)  # ends after min_tokens
+
+
 def test_possible_stop_prefix_is_held_back():
     matcher = StopStringMatcher(["STOP"])
     assert matcher.process("Hello ST") == ("Hello ", False)

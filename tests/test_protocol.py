@@ -225,7 +225,8 @@ def test_content_parts_are_joined_with_newlines():
     messages = [
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "call_1"},
     ]
     request = ChatCompletionRequest.model_validate(chat_body(messages=messages))

@@ -93,6 +93,41 @@ def test_stop_string_is_trimmed(client):
     assert resp.choices[0].finish_reason == "stop"
 
 
+def test_vllm_stop_extensions(client, tokenizer):
+    """stop_token_ids end the text without their own (vLLM), include_stop_str_in_output
+    keeps a stop string or token, and min_tokens holds back stop strings as well as EOS."""
+    kw = dict(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0, max_tokens=12)
+    full = client.completions.create(**kw).choices[0].text
+    assert full.startswith(" 4, 5, 6,"), full
+    five = tokenizer.encode("5", add_special_tokens=False)
+    (five,) = five
+    resp = client.completions.create(**kw, extra_body={"stop_token_ids": [five]})
+    assert (resp.choices[0].text, resp.choices[0].finish_reason) == (" 4, ", "stop")
+    resp = client.completions.create(**kw, extra_body={"stop_token_ids": [five],
+                                                       "include_stop_str_in_output": True})
+    assert resp.choices[0].text == " 4, 5"
+    resp = client.completions.create(**kw, stop=[","],
+                                      extra_body={"include_stop_str_in_output": True})
+    assert resp.choices[0].text == " 4,"
+    # tokens " ", "4", ",", " ", "5", ",": the first "," is the third, under min_tokens
+    resp = client.completions.create(**kw, stop=[","], extra_body={"min_tokens": 4})
+    assert resp.choices[0].text == " 4, 5", resp.choices[0].text
+
+
+def test_chat_template_extensions(client):
+    """continue_final_message continues the assistant's text; chat_template_kwargs reach
+    the template (SmolLM2's ignores unknown ones)."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=msgs, temperature=0, max_tokens=4,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "chat_template_kwargs": {"enable_thinking": False}})
+    assert resp.choices[0].message.content.strip().startswith("Paris")
+    assert resp.usage.prompt_tokens < client.chat.completions.create(
+        model=MODEL, messages=msgs, temperature=0, max_tokens=1).usage.prompt_tokens
+
+
 def test_usage_counts_equal_tokenizer_counts(client, tokenizer):
     resp = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0,
                                           max_tokens=12, extra_body={"ignore_eos": True})

@@ -170,13 +170,22 @@ class StopStringMatcher:
       split into deltas, even when a stop string spans several deltas.
     - With no stop strings, text passes straight through and nothing is held.
     - After a stop, ``process`` returns ``("", True)`` and ``flush`` returns "".
+    - ``include_stop`` (vLLM's ``include_stop_str_in_output``) sends the stop string too.
+    - ``min_tokens`` (vLLM's rule): while the output has fewer tokens (``process``'s
+      ``num_tokens``), no stop string ends it, nor can a later match end inside that text.
+
+    Args:
+        stop: the stop strings.
+        include_stop: end the text after the stop string instead of before it.
+        min_tokens: output tokens before a stop string may end the text.
 
     Raises:
         TypeError: ``stop`` is a single string, or an entry is not a string.
         ValueError: ``stop`` has an empty string (it would match everywhere).
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         if isinstance(stop, str):
             raise TypeError("stop must be a list of strings, not a single string")
         for s in stop:
@@ -188,26 +197,32 @@ class StopStringMatcher:
         self.max_held_chars = max((len(s) for s in self.stop), default=1) - 1
         self._held = ""
         self.matched_stop: str | None = None  # the stop string that ended the text, if any
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self._min_end = 0  # a match in the next text must end after this index
 
     @property
     def is_stopped(self) -> bool:
         """True once a stop string has been seen."""
         return self.matched_stop is not None
 
-    def process(self, new_text: str) -> tuple[str, bool]:
-        """Return ``(text safe to send now, stopped)`` after appending ``new_text``."""
+    def process(self, new_text: str, num_tokens: int | None = None) -> tuple[str, bool]:
+        """Return ``(text safe to send now, stopped)`` after appending ``new_text``, with
+        which the output holds ``num_tokens`` tokens (None: at least ``min_tokens``)."""
         if self.is_stopped:
             return "", True
         if not self.stop:
             return new_text, False
         text = self._held + new_text
-        match = self._first_match(text)
+        active = num_tokens is None or num_tokens >= self.min_tokens
+        match = self._first_match(text, self._min_end) if active else None
         if match is not None:
             start, self.matched_stop = match
             self._held = ""
-            return text[:start], True
+            return text[:start + len(self.matched_stop) * self.include_stop], True
         num_held = self._num_chars_to_hold(text)
         self._held = text[len(text) - num_held :]
+        self._min_end = 0 if active else num_held
         return text[: len(text) - num_held], False
 
     def flush(self) -> str:
@@ -215,11 +230,12 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, text: str) -> tuple[int, str] | None:
-        """``(start, stop string)`` of the occurrence ending first, longest on a tie."""
+    def _first_match(self, text: str, min_end: int) -> tuple[int, str] | None:
+        """``(start, stop string)`` of the occurrence ending first after ``min_end``,
+        longest on a tie."""
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for s in self.stop:
-            start = text.find(s)
+            start = text.find(s, max(0, min_end - len(s) + 1))
             if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
                 best = (start + len(s), start, s)
         return None if best is None else (best[1], best[2])

@@ -86,6 +86,7 @@ class ChoiceState:
             ``{request_id}-{index}``).
         detokenizer: its token ids -> text deltas.
         stop: its stop-string matcher.
+        stop_token_ids: tokens that end it without being output as text.
         num_tokens: tokens generated so far.
         done: set when its last delta arrives (finished or stopped); a choice not done
             when :meth:`Generation.events` exits is aborted.
@@ -94,6 +95,7 @@ class ChoiceState:
     handle: RequestHandle
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
+    stop_token_ids: frozenset[int] = frozenset()
     num_tokens: int = 0
     done: bool = False
 
@@ -154,11 +156,7 @@ class Generation:
                 self.prompt_logprobs = list(delta.prompt_logprobs)
             if delta.queue_time_s is not None and index == 0:
                 m.request_queue_time.labels(m.model_name).observe(delta.queue_time_s)
-            c.num_tokens += len(delta.new_token_ids)
-            text = c.detokenizer.add_tokens(delta.new_token_ids)
-            if delta.finished:
-                text += c.detokenizer.flush()
-            out, stopped = c.stop.process(text)
+            out, stopped = _text_delta(c, delta)
             finish = delta.finish_reason
             if stopped:
                 self.router.abort(c.handle.request_id)
@@ -184,10 +182,34 @@ class Generation:
         m.e2e_request_latency.labels(name).observe(time.monotonic() - self.start_s)
 
 
+def _text_delta(c: ChoiceState, delta) -> tuple[str, bool]:
+    """The text ``delta`` adds to choice ``c`` after its stop strings and tokens, and
+    whether a stop string ended it. Tokens still under ``min_tokens`` go through the stop
+    matcher apart from the rest (a delta may carry several tokens)."""
+    before = c.num_tokens
+    c.num_tokens += len(delta.new_token_ids)
+    ids = delta.new_token_ids
+    if delta.finish_reason == "stop" and ids and ids[-1] in c.stop_token_ids \
+            and not c.stop.include_stop:  # a stop token's text is not output (vLLM)
+        ids = ids[:-1]
+    early = max(0, min(len(ids), c.stop.min_tokens - 1 - before))
+    out = ""
+    if early:  # cannot stop: fewer than min_tokens tokens
+        out, _ = c.stop.process(c.detokenizer.add_tokens(ids[:early]), before + early)
+    text = c.detokenizer.add_tokens(ids[early:])
+    if delta.finished:
+        text += c.detokenizer.flush()
+    rest, stopped = c.stop.process(text, c.num_tokens)
+    return out + rest, stopped
+
+
 def submit(router: Router, metrics: ServerMetrics, tokenizer, request_id: str,
-           prompt_token_ids: list[int], params: SamplingParams, stop: list[str]) -> Generation:
+           prompt_token_ids: list[int], params: SamplingParams, stop: list[str],
+           include_stop: bool = False) -> Generation:
     """Place all ``params.n`` choices on workers (when the first is prefilled remotely, the
-    others wait for its KV on its decode worker: one prefill for all of them).
+    others wait for its KV on its decode worker: one prefill for all of them). ``stop``
+    strings (and ``params.stop_token_ids``' text) end the text, included with
+    ``include_stop``; they are checked once ``params.min_tokens`` tokens are out.
 
     Raises:
         NoWorkerAvailable: no worker can take them (nothing is left placed).
@@ -202,7 +224,8 @@ def submit(router: Router, metrics: ServerMetrics, tokenizer, request_id: str,
                                         sibling=choices[0].handle if choices else None)
             choices.append(ChoiceState(
                 handle, IncrementalDetokenizer(tokenizer, prompt_token_ids),
-                StopStringMatcher(stop)))
+                StopStringMatcher(stop, include_stop, params.min_tokens),
+                frozenset(params.stop_token_ids)))
     except Exception:
         for c in choices:
             router.abort(c.handle.request_id)

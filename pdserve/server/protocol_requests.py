@@ -131,8 +131,17 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatCompletionToolParam] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    add_generation_prompt: StrictBool = Field(True, description="extension")
+    continue_final_message: StrictBool = Field(False, description="extension")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extension")
 
     REFUSED_FIELDS: typing.ClassVar[dict[str, Any]] = {
+        # vLLM's chat extensions not served here
+        "echo": lambda value: value is False,
+        "chat_template": None,  # a request's own template (vLLM too refuses it by default)
+        "documents": None,
+        "mm_processor_kwargs": None,
+        "add_special_tokens": lambda value: value is False,
         "audio": None,
         "modalities": lambda value: value == ["text"],
         "web_search_options": None,
@@ -160,6 +169,37 @@ class ChatCompletionRequest(SamplingRequest):
             message = f"tool_choice {self.tool_choice_name!r} cannot be combined with another " \
                       "output constraint (response_format / structured_outputs)"
             raise param_error(type(self).__name__, "tool_choice", message, None)
+        return self
+
+    @model_validator(mode="after")
+    def _check_template_fields(self) -> ChatCompletionRequest:
+        """vLLM's rules: a final assistant message is continued only without a generation
+        prompt; template keyword arguments may not replace the ones the server passes."""
+        name = type(self).__name__
+        if self.continue_final_message and (
+                self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise param_error(name, "continue_final_message", "continue_final_message needs "
+                              "add_generation_prompt false and a last message from the "
+                              "assistant", True)
+        taken = {"messages", "conversation", "tools", "tokenize", "add_generation_prompt",
+                 "continue_final_message", "chat_template", "documents", "return_dict"}
+        clash = sorted(taken & set(self.chat_template_kwargs or {}))
+        if clash:
+            raise param_error(name, "chat_template_kwargs", f"chat_template_kwargs may not "
+                              f"set {clash}", clash)
+        return self
+
+    @model_validator(mode="after")
+    def _check_tool_results(self) -> ChatCompletionRequest:
+        """A ``tool`` message answers a call made earlier in the conversation (OpenAI)."""
+        called: set[str] = set()
+        for i, message in enumerate(self.messages):
+            called.update(c.id for c in message.tool_calls or [])
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise param_error(type(self).__name__, f"messages.{i}.tool_call_id",
+                                  f"a tool message must answer a tool call of an earlier "
+                                  f"assistant message; {message.tool_call_id!r} is none",
+                                  message.tool_call_id)
         return self
 
     @property

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -57,6 +57,13 @@ class StreamOptions(BaseModel):
 
     include_usage: StrictBool | None = None  # null: the default (no usage chunk)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_continuous_usage(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("continuous_usage_stats"):
+            raise ValueError("continuous_usage_stats is not supported by this server")
+        return data
+
 
 #: vLLM's older request fields -> their ``structured_outputs`` names.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -76,6 +83,24 @@ def _refuse_fields(data: Any, refused: dict[str, Any]) -> None:
         if value is None or (harmless is not None and harmless(value)):
             continue
         raise param_error("request", name, f"{name} is not supported by this server", value)
+
+
+#: vLLM request extensions that would change the output and that this server does not
+#: implement: refused by name rather than ignored (field -> predicate true for a harmless
+#: value, None: any non-null value is refused).
+VLLM_REFUSED_FIELDS: dict[str, Any] = {
+    "use_beam_search": lambda value: value is False,
+    "length_penalty": lambda value: value == 1.0,
+    "bad_words": lambda value: value == [],
+    "allowed_token_ids": None,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "skip_special_tokens": lambda value: value is True,
+    "spaces_between_special_tokens": lambda value: value is True,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": lambda value: value is False,
+    "guided_whitespace_pattern": None,
+}
 
 
 class SamplingRequest(BaseModel):
@@ -101,6 +126,9 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = Field(False, description="extension")
     min_tokens: Int = Field(0, ge=0, description="extension")
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(
+        None, description="extension")
+    include_stop_str_in_output: StrictBool = Field(False, description="extension")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsOptions | None = Field(None, description="extension")
     user: str | None = None
@@ -129,7 +157,7 @@ class SamplingRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        _refuse_fields(data, cls.REFUSED_FIELDS)
+        _refuse_fields(data, {**VLLM_REFUSED_FIELDS, **cls.REFUSED_FIELDS})
         return data
 
     @model_validator(mode="before")
@@ -275,6 +303,7 @@ class SamplingRequest(BaseModel):
             ),
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=self.num_top_logprobs,
             prompt_logprobs=self.num_prompt_logprobs,

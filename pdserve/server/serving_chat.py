@@ -49,15 +49,19 @@ from pdserve.server.tools.prompt import render_messages
 def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest,
                     add_generation_prompt: bool = True) -> list[int]:
     """Apply the model's chat template (tools rendered, the assistant's turn opened unless
-    ``add_generation_prompt`` is false) and tokenize.
+    ``add_generation_prompt`` is false, the last assistant message left open with
+    ``continue_final_message``, ``chat_template_kwargs`` passed on) and tokenize.
 
     Raises:
         APIError: 400 when the template refuses the conversation.
     """
     messages, kwargs = render_messages(req, getattr(state.tokenizer, "chat_template", None))
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
         out = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs,
+            **(req.chat_template_kwargs or {}))
     except Exception as exc:  # a template may raise on role order etc.
         raise APIError(400, f"chat template could not be applied: {exc}", "messages") from None
     if hasattr(out, "keys"):
@@ -141,7 +145,7 @@ async def create_chat_completion(state: ServerState, raw: bytes):
     """
     req = parse_request(ChatCompletionRequest, raw)
     check_model(state, req.model)
-    prompt_ids = chat_prompt_ids(state, req)
+    prompt_ids = chat_prompt_ids(state, req, req.add_generation_prompt)
     params = to_params(state, req, len(prompt_ids), "messages")
     from_response_format = params.structured_output
     params, parser = _tool_params(state, req, params)
@@ -152,7 +156,8 @@ async def create_chat_completion(state: ServerState, raw: bytes):
     if params.structured_output is not None:
         state.metrics.observe_structured_output(params.structured_output.kind.value)
     await wait_for_start(state)
-    request_id, gen = start_generation(state, "chatcmpl", prompt_ids, params, req.stop_list)
+    request_id, gen = start_generation(state, "chatcmpl", prompt_ids, params, req.stop_list,
+                                       req.include_stop_str_in_output)
     created = int(time.time())
     if req.stream:
         return StreamingResponse(

@@ -83,9 +83,10 @@ def to_params(state: ServerState, req, num_prompt_tokens: int, prompt_param: str
     if params.n > state.max_n:
         raise APIError(400, f"n must be at most {state.max_n}", "n")
     vocab = getattr(state.tokenizer, "vocab_size", None)
-    if params.logit_bias and vocab and any(t >= len(state.tokenizer) for t in params.logit_bias):
-        raise APIError(400, "logit_bias contains a token id outside the vocabulary",
-                       "logit_bias")
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("stop_token_ids", params.stop_token_ids)):
+        if vocab and any(t >= len(state.tokenizer) for t in ids):
+            raise APIError(400, f"{name} contains a token id outside the vocabulary", name)
     return params
 
 
@@ -141,12 +142,12 @@ async def wait_for_start(state: ServerState) -> None:
 
 
 def start_generation(state: ServerState, prefix: str, prompt_token_ids: list[int], params,
-                     stop: list[str]) -> tuple[str, Generation]:
+                     stop: list[str], include_stop: bool = False) -> tuple[str, Generation]:
     """Submit; raises APIError 503 when no worker can take it."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
         gen = submit(state.router, state.metrics, state.tokenizer, request_id,
-                     prompt_token_ids, params, stop)
+                     prompt_token_ids, params, stop, include_stop)
     except NoWorkerAvailable as exc:
         raise APIError(503, str(exc), code="no_worker_available") from None
     return request_id, gen

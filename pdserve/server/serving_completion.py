@@ -146,7 +146,8 @@ async def create_completion(state: ServerState, raw: bytes):
     prompts = prompt_id_lists(state, req)
     params_list = await _checked_params(state, req, prompts)
     await wait_for_start(state)
-    request_id, gens = _start_generations(state, prompts, params_list, req.stop_list)
+    request_id, gens = _start_generations(state, prompts, params_list, req.stop_list,
+                                          req.include_stop_str_in_output)
     completion = _CompletionInFlight(
         state, req, gens, request_id, created=int(time.time()), n=params_list[0].n,
         num_top=params_list[0].logprobs,
@@ -184,7 +185,7 @@ async def _checked_params(state: ServerState, req: CompletionRequest,
 
 
 def _start_generations(state: ServerState, prompts: list[list[int]],
-                       params_list: list[SamplingParams], stop: list[str]
+                       params_list: list[SamplingParams], stop: list[str], include_stop: bool
                        ) -> tuple[str, list[Generation]]:
     """Submit every prompt; the response id is the first prompt's request id.
 
@@ -196,7 +197,7 @@ def _start_generations(state: ServerState, prompts: list[list[int]],
     request_id = ""
     try:
         for ids, params in zip(prompts, params_list):
-            rid, gen = start_generation(state, "cmpl", ids, params, stop)
+            rid, gen = start_generation(state, "cmpl", ids, params, stop, include_stop)
             request_id = request_id or rid
             gens.append(gen)
     except APIError:
