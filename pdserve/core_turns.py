@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
 
 #: Most tokens in one step of a prefill worker that takes turns: the decode worker waits for
 #: a whole step unless the prefill worker pauses inside it (:data:`PAUSE_SLICE_S`). Measured
@@ -79,6 +81,13 @@ URGENT_FINISH_S = 0.15
 #: How often a party waiting with an ``urgent`` callback checks it (seconds).
 URGENT_POLL_S = 0.005
 
+#: Longest a party waiting with an ``urgent`` callback (the decode worker) waits for the
+#: cores before it steps anyway, beside the holder: a holder that is stopped (SIGSTOP, a
+#: debugger) or hung must not freeze every stream (a 75 s stop of a prefill worker inside a
+#: prefill froze the decode worker's streams for 86 s). A working holder hands the cores
+#: over within PAUSE_SLICE_S plus one layer.
+MAX_TURN_WAIT_S = 5.0
+
 #: Most tokens in a decode worker's step while a prefill worker waits for the cores (the
 #: running decodes always go; a short prompt's prefill goes in chunks that fit the rest):
 #: 256 lets a W3 short prompt (64-256 tokens) in within one pause (measured above).
@@ -111,6 +120,7 @@ class CoreTurns:
         self._urgent = os.open(path / "urgent", os.O_RDWR | os.O_CREAT, 0o600)
         self._taken_s = 0.0  # time.monotonic() when this process last got the cores
         self.num_pauses = 0  # turns handed over inside a step (pause_point)
+        self.num_turns_skipped = 0  # waits given up after MAX_TURN_WAIT_S (_take)
 
     @classmethod
     def of(cls, directory: str | None) -> CoreTurns | None:
@@ -127,35 +137,50 @@ class CoreTurns:
                 a new prompt waits (it pauses after :data:`URGENT_SLICE_S`). None: wait
                 without checking.
         """
-        self._take(urgent)
+        taken = self._take(urgent)
         try:
             yield
         finally:
-            fcntl.flock(self._cores, fcntl.LOCK_UN)
+            if taken:
+                fcntl.flock(self._cores, fcntl.LOCK_UN)
 
-    def _take(self, urgent: Callable[[], bool] | None = None) -> None:
-        """Wait for the cores through the gate (see the module docstring)."""
-        fcntl.flock(self._gate, fcntl.LOCK_EX)
-        marked = False
-        try:
-            if urgent is None:
+    def _take(self, urgent: Callable[[], bool] | None = None) -> bool:
+        """Wait for the cores through the gate (see the module docstring). With ``urgent``,
+        for at most :data:`MAX_TURN_WAIT_S`: False when it gave up (the step runs beside
+        the holder; counted in :attr:`num_turns_skipped`)."""
+        if urgent is None:
+            fcntl.flock(self._gate, fcntl.LOCK_EX)
+            try:
                 fcntl.flock(self._cores, fcntl.LOCK_EX)
-            else:
-                while True:
-                    try:
-                        fcntl.flock(self._cores, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        pass
-                    if not marked and urgent():
-                        fcntl.flock(self._urgent, fcntl.LOCK_SH)
-                        marked = True
+            finally:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+            self._taken_s = time.monotonic()
+            return True
+        deadline = time.monotonic() + MAX_TURN_WAIT_S
+        gate = cores = marked = False
+        try:
+            while not cores and time.monotonic() < deadline:
+                gate = gate or _try_lock(self._gate)
+                cores = gate and _try_lock(self._cores)
+                if gate and not cores and not marked and urgent():
+                    fcntl.flock(self._urgent, fcntl.LOCK_SH)
+                    marked = True
+                if not cores:
                     time.sleep(URGENT_POLL_S)
         finally:
             if marked:
                 fcntl.flock(self._urgent, fcntl.LOCK_UN)
-            fcntl.flock(self._gate, fcntl.LOCK_UN)
+            if gate:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+        if not cores:
+            self.num_turns_skipped += 1
+            if self.num_turns_skipped in (1, 10) or self.num_turns_skipped % 1000 == 0:
+                logger.warning("waited %.0f s for the cores: stepping beside their holder "
+                               "(stopped or hung?); %d turns skipped", MAX_TURN_WAIT_S,
+                               self.num_turns_skipped)
+            return False
         self._taken_s = time.monotonic()
+        return True
 
     def is_urgent(self) -> bool:
         """Whether a waiting party has a new prompt (it holds ``urgent`` shared)."""
@@ -218,6 +243,15 @@ class CoreTurns:
         os.close(self._gate)
         os.close(self._cores)
         os.close(self._urgent)
+
+
+def _try_lock(fd: int) -> bool:
+    """Take ``fd``'s exclusive lock if nobody holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _is_locked(fd: int) -> bool:

@@ -12,21 +12,32 @@ messages to the same unions.
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
 
 from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
 
 
+#: An integer that must be positive / not negative (a message that breaks it is dropped at
+#: decoding: a peer holding the cluster secret still cannot make the router divide by zero
+#: or cap every request's context at -1).
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+#: Speculative positions reported per worker (each becomes a metrics series).
+MAX_SPEC_POSITIONS = 32
+
+
 class RegisterWorker(msgspec.Struct, tag="register"):
     """A worker announces itself (sent at start, and again if the router forgets it)."""
 
     worker_id: str
-    role: str  # "decode" or "prefill"
+    role: Literal["decode", "prefill"]
     model_name: str
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
+    max_model_len: Positive
+    block_size: Annotated[int, msgspec.Meta(gt=0, le=4096)]
+    num_kv_blocks: NonNegative
     pid: int
     kv_address: str | None = None  # where a decode worker receives pushed KV
     kv_transport: str | None = None
@@ -60,7 +71,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
-    num_spec_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    num_spec_accepted_tokens_per_pos: Annotated[
+        list[int], msgspec.Meta(max_length=MAX_SPEC_POSITIONS)] = msgspec.field(
+            default_factory=list)
     #: the worker got SIGTERM: it finishes what it runs and takes nothing new
     draining: bool = False
     #: prompt tokens admitted but not prefilled yet (waiting and partly prefilled requests)
@@ -140,8 +153,8 @@ class KVSent(msgspec.Struct, tag="kv_sent"):
 
     worker_id: str
     request_id: str
-    num_bytes: int
-    seconds: float
+    num_bytes: NonNegative
+    seconds: Annotated[float, msgspec.Meta(ge=0)]
     error: str | None = None
     #: seconds the sender spent encoding and pushing (``seconds`` also covers the waits
     #: for layers still being prefilled)

@@ -136,10 +136,17 @@ def load_cluster_keys(secret_file: str | None = None, *, required: bool = True
     return None
 
 
+#: Longest a connection may take to finish its handshake before libzmq drops it (its default,
+#: 30 s, let a flood of idle unauthenticated connections hold ~20,000 of the API server's
+#: file descriptors; a CURVE handshake between hosts takes milliseconds).
+HANDSHAKE_TIMEOUT_MS = 5000
+
+
 def secure_server(sock: zmq.Socket, keys: ClusterKeys | None) -> None:
     """Make a socket that binds a CURVE server (before ``bind``); no-op without keys."""
     if keys is None:
         return
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
     sock.curve_secretkey = keys.server_secret
     sock.curve_publickey = keys.server_public
     sock.curve_server = True

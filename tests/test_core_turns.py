@@ -223,6 +223,33 @@ def test_a_killed_holder_frees_the_cores(tmp_path):
         turns.close()
 
 
+def test_a_stopped_holder_delays_a_polling_party_at_most_the_turn_wait(tmp_path, monkeypatch):
+    """A prefill worker stopped (SIGSTOP) with the cores once froze the decode worker for
+    as long as it stayed stopped; the decode worker (it waits with an ``urgent`` check) now
+    steps beside it after MAX_TURN_WAIT_S."""
+    import pdserve.core_turns as core_turns
+
+    monkeypatch.setattr(core_turns, "MAX_TURN_WAIT_S", 0.5)
+    holder = _stepper(tmp_path, "holder", 60.0, 1)
+    turns = CoreTurns(tmp_path)
+    try:
+        time.sleep(1.0)  # it holds the cores now
+        os.kill(holder.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with turns.turn(lambda: True):
+            assert 0.5 <= time.monotonic() - start < 5
+        assert turns.num_turns_skipped == 1
+        assert not _is_locked_by_others(turns)  # the urgent mark and the gate were let go
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        turns.close()
+
+
+def _is_locked_by_others(turns: CoreTurns) -> bool:
+    return turns.is_urgent() or turns.is_waited_for()
+
+
 def test_serve_plan_takes_turns_only_where_every_worker_shares_the_cores():
     prefill, decode = plan_worker_cpus((0, 1), 1, 1, core_turns=True)
     assert prefill == [WorkerCpus((0, 1), 2)] and decode == [WorkerCpus((0, 1), 2)]

@@ -175,9 +175,9 @@ def test_a_stalled_receive_frees_its_blocks_and_the_request_recomputes(worker):
     assert w.remote["r"].state is S.RECEIVING
     half = eng.arch.num_layers // 2
     deadline = time.monotonic() + 30
-    while w.inbox._partial.get("r", (0, 0, 0))[2] < half and time.monotonic() < deadline:
+    while w.inbox.num_layers_received("r") < half and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert w.inbox._partial["r"][2] == half  # layers held, waiting for the rest
+    assert w.inbox.num_layers_received("r") == half  # layers held, waiting for the rest
 
     w.poll_extra()
     assert w.remote["r"].state is S.RECEIVING  # not yet past its 0.5 s
@@ -252,6 +252,29 @@ def test_a_failed_engine_step_fails_its_requests_and_keeps_the_worker(worker, mo
     assert eng.num_free_blocks == free0
     w.handle(GenerateRequest("y", _prompt(5), params, time.time()))
     assert len(_run_worker(w)["y"]) == 4  # the worker still serves
+    assert eng.num_free_blocks == free0 and not eng.requests
+
+
+def test_a_request_sent_again_replaces_the_copy_the_router_gave_up_on(worker):
+    """After a stall the router takes the worker for dead and, once it is back, retries its
+    requests there under the same ids, with the tokens already streamed: the retry replaces
+    the old copy (it was refused as "already in use" and the client's stream failed)."""
+    from pdserve.engine import SamplingParams
+    from pdserve.messages import GenerateRequest, RequestFailed
+
+    w, router = worker[0], worker[1]
+    eng = w.engine
+    free0 = eng.num_free_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    w.handle(GenerateRequest("x", _prompt(6), params, time.time()))
+    w._step()
+    w._step()
+    streamed = list(eng.requests["x"].output_token_ids)
+    assert streamed
+    w.handle(GenerateRequest("x", _prompt(6), params, time.time(), output_token_ids=streamed))
+    assert not [m for m in router.messages() if isinstance(m, RequestFailed)]
+    assert eng.requests["x"].output_token_ids == streamed
+    _run_worker(w)
     assert eng.num_free_blocks == free0 and not eng.requests
 
 

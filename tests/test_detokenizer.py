@@ -200,6 +200,18 @@ def test_skipped_special_token_between_words_keeps_spacing(tokenizer):
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == "one two"
 
 
+def test_logprob_bytes_of_tokens_that_split_a_character_join_to_the_text(tokenizer):
+    """Chat logprobs' ``bytes``: a token holding part of an emoji decodes to U+FFFD alone,
+    but its bytes are its own, so a client joining them gets the text back."""
+    from pdserve.server.serving_chat import token_bytes
+
+    text = "I love 🇫🇷 and 🐶"
+    ids = encode(tokenizer, text)
+    pieces = [token_bytes(tokenizer, i, tokenizer.decode([i])) for i in ids]
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some split a character
+    assert bytes(b for piece in pieces for b in piece) == text.encode()
+
+
 # --- StopStringMatcher -----------------------------------------------------------------
 
 

@@ -134,3 +134,29 @@ def test_kv_and_hidden_headers_of_one_transfer_agree():
                                   num_tokens=NUM_TOKENS).header
     assert (kv_header.hidden_size, kv_header.num_tokens) == \
         (hidden_header.hidden_size, hidden_header.num_tokens)
+
+
+def test_a_repeated_layer_fails_the_transfer_instead_of_completing_it(link):
+    """Layer 0 sent twice must not stand in for layer 1 (it completed the transfer with
+    layer 1 never written)."""
+    inbox, _, raw = link
+    layer0 = encode_kv("r", _kv()[:1], layer_start=0, num_tokens=NUM_TOKENS, use_fp8=False)
+    raw.send(layer0.header, layer0.buffers, timeout_s=5.0)
+    raw.send(layer0.header, layer0.buffers, timeout_s=5.0)
+    assert inbox.ready.get(timeout=10) == ("r", "format")
+
+
+def test_blocks_of_another_shape_are_dropped_unread():
+    inbox = KVInbox("inproc", NUM_LAYERS, torch.float32, block_shape=(16, 3, 32))
+    try:
+        raw = inbox.transport.create_sender(inbox.address, timeout_s=5.0)
+        msg = encode_kv("r", _kv(), layer_start=0, num_tokens=NUM_TOKENS, use_fp8=False)
+        raw.send(msg.header, msg.buffers, timeout_s=5.0)
+        deadline = time.monotonic() + 10
+        while inbox.num_dropped == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert inbox.num_dropped == 1
+        with pytest.raises(queue.Empty):
+            inbox.ready.get(timeout=0.3)
+    finally:
+        inbox.close()

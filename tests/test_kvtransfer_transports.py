@@ -356,3 +356,48 @@ def test_a_frame_far_over_the_limit_is_never_buffered_and_the_stream_goes_on(set
             assert msg.header.request_id == "small"
     finally:
         rx.close()
+
+
+@pytest.mark.skipif(_UCX_REASON is not None, reason=f"ucx unavailable: {_UCX_REASON}")
+def test_ucx_receiver_outlives_hostile_frames_and_never_waits_on_an_unauthentic_header():
+    """UCX admits any peer: a two-frame bootstrap request, a header frame over the limit
+    and a header without payload that ``authenticate`` refuses (before, each one ended the
+    bootstrap or the receive task for good) are dropped, and the next message arrives."""
+    import zmq
+
+    from pdserve.kvtransfer.ucx_transport import (_FRAME_PREFIX, _HELLO, HEADER_TAG,
+                                                  MAX_HEADER_FRAME_BYTES)
+
+    transport, attacker = create_transport("ucx"), create_transport("ucx")
+    rx = transport.create_receiver(KVReceiverConfig(
+        max_message_bytes=1 << 20, authenticate=lambda h: h.request_id != "evil"))
+    try:
+        req = zmq.Context.instance().socket(zmq.REQ)
+        req.connect(rx.address)
+        req.send_multipart([_HELLO, b"more"])
+        assert req.poll(int(TIMEOUT_S * 1000)) and req.recv_multipart() == [b"", b""]
+        req.close(linger=0)
+        sender = attacker.create_sender(rx.address, timeout_s=TIMEOUT_S)
+        evil = encode_kv("evil", gather_blocks(make_cache(3), (0,), 0, 1), layer_start=0,
+                         num_tokens=16, use_fp8=False)
+        header = encode_header(evil.header)
+        for frame in (b"\0" * (MAX_HEADER_FRAME_BYTES + 4096),
+                      _FRAME_PREFIX.pack(12345 << 32, len(header)) + header):
+            try:
+                attacker.run(sender.endpoint.send(frame, tag=HEADER_TAG, force_tag=True),
+                             timeout_s=TIMEOUT_S, what="hostile header")
+            except Exception:  # the oversized frame may fail on the sending side too
+                pass
+        with pytest.raises(KVFormatError, match="header frame"):
+            rx.recv(timeout_s=TIMEOUT_S)
+        with pytest.raises(KVFormatError, match="unauthenticated"):
+            rx.recv(timeout_s=TIMEOUT_S)
+        send_specs(sender, [SendSpec("good", 4, (0, 1), 0, NUM_LAYERS, True)])
+        with rx.recv(timeout_s=TIMEOUT_S) as msg:
+            assert msg.header.request_id == "good"
+            msg.decode()  # checksum verifies
+        sender.close()
+    finally:
+        rx.close()
+        attacker.close()
+        transport.close()

@@ -504,6 +504,19 @@ def test_messages_the_router_never_receives_are_dropped(harness):
     assert harness.take() == [] and harness.router.is_healthy is False  # never started
 
 
+@pytest.mark.parametrize("field,value", [("block_size", 0), ("max_model_len", -1),
+                                         ("role", "bogus"), ("num_kv_blocks", -5)])
+def test_a_registration_with_impossible_values_is_dropped(harness, field, value):
+    """A peer with the secret once made every request fail with block_size 0 or cap every
+    context at -1 tokens (the router takes the smallest max_model_len)."""
+    fields = dict(worker_id="d9", role="decode", model_name="m", max_model_len=4096,
+                  block_size=BLOCK, num_kv_blocks=256, pid=1)
+    harness.recv("d9", RegisterWorker(**{**fields, field: value}))
+    assert "d9" not in harness.router.registry.workers and harness.take() == []
+    harness.recv("d9", RegisterWorker(**fields))
+    assert "d9" in harness.router.registry.workers
+
+
 # -- the decode worker's cache as the router sees it ----------------------------------------
 def cache_events(prompt_ids: list[int], stored: bool = True, reset: bool = False,
                  worker: str = "d0") -> KVCacheEvents:

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from functools import partial
 
 import torch
 
@@ -29,6 +30,12 @@ from pdserve.kvtransfer.wire import SECTION_HIDDEN
 from pdserve.kvtransfer.wire_auth import header_is_authentic
 
 logger = logging.getLogger(__name__)
+
+
+def _is_authentic_for(keys, dest: list[str], header) -> bool:
+    """Whether ``header`` carries the cluster's HMAC for the receiver at ``dest[0]`` (False
+    until that address is known)."""
+    return bool(dest) and header_is_authentic(header, keys, dest[0])
 
 #: Largest single KV message accepted (senders split a request's layers to stay below it).
 #: How long the receive call waits before checking whether to stop.
@@ -62,6 +69,9 @@ class KVInbox:
             on every transport a message whose header does not carry the cluster's HMAC
             for this receiver (:func:`~pdserve.kvtransfer.wire_auth.sign_header`) is dropped
             unread, before any block is written.
+        block_shape: ``(block_size, num_kv_heads, head_dim)`` of this worker's cache: a KV
+            message of another shape is dropped unread (its request's tensor is never
+            allocated at the sender's word). None: not checked.
 
     ``ready`` yields ``(request_id, (kv, scales, hidden, hidden_start))`` with ``kv`` a
     ``[num_layers, 2, num_blocks, block_size, H, D]`` tensor in ``cache_dtype`` and
@@ -75,14 +85,22 @@ class KVInbox:
     def __init__(self, transport_name: str, num_layers: int, cache_dtype: torch.dtype,
                  stale_after_s: float = 30.0, address: str | None = None,
                  advertise_host: str | None = None, keep_fp8: bool = False,
-                 cluster_keys=None, expects=None, writer=None) -> None:
+                 cluster_keys=None, expects=None, writer=None,
+                 block_shape: tuple[int, int, int] | None = None) -> None:
         self.transport = create_transport(transport_name, cluster_keys)
         self.cluster_keys = cluster_keys
+        # the receiver checks headers against the address it advertises (known once it is
+        # bound); no reference back to this inbox: a cycle would leave the UCX objects to
+        # the cyclic GC, which tore them down at random points (and crashed)
+        dest: list[str] = []
         self.receiver = self.transport.create_receiver(KVReceiverConfig(
-            address=address, max_message_bytes=MAX_KV_MESSAGE_BYTES, num_buffers=2))
+            address=address, max_message_bytes=MAX_KV_MESSAGE_BYTES, num_buffers=2,
+            authenticate=None if cluster_keys is None else partial(
+                _is_authentic_for, cluster_keys, dest)))
         self.address = self.receiver.address
         if advertise_host is not None:
             self.address = replace_tcp_host(self.address, advertise_host)
+        dest.append(self.address)
         self.num_layers = num_layers
         self.cache_dtype = cache_dtype
         self.stale_after_s = stale_after_s
@@ -91,9 +109,10 @@ class KVInbox:
         self.num_bytes_received = 0
         self.expects = expects
         self.writer = writer
+        self.block_shape = block_shape
         #: messages dropped unread: no reservation for their request, or too large for it
         self.num_dropped = 0
-        # request id -> (kv, scales or None, layers received, last touched)
+        # request id -> (kv, scales or None, bit mask of the layers received, last touched)
         self._partial: dict[str, tuple[torch.Tensor, torch.Tensor | None, int, float]] = {}
         # request id -> (kv, scales, announced hidden_size, num_tokens, last touched): every
         # layer here, its hidden section not yet; request id -> (hidden section, touched)
@@ -156,6 +175,10 @@ class KVInbox:
                                                      header.num_blocks
                                                      > -(-num_tokens // header.block_size)):
                 why = f"larger than its {num_tokens}-token reservation"
+        shape = (header.block_size, header.num_kv_heads, header.head_dim)
+        if why is None and self.block_shape is not None and header.section != SECTION_HIDDEN \
+                and shape != self.block_shape:
+            why = f"its blocks {shape} are not this cache's {self.block_shape}"
         if why is None:
             return True
         self._count_drop(f"KV message for {header.request_id[:64]!r} "
@@ -208,15 +231,23 @@ class KVInbox:
     def _count_layers(self, rid: str, entry: tuple, h) -> None:
         """Count ``h``'s layers into ``entry`` (kv, scales, layers done, touched); hand the
         request on once all are here (``kv`` None: written in place by :attr:`writer`)."""
-        full, full_scales, num_done, _ = entry
-        num_done += h.layer_end - h.layer_start
-        if num_done >= self.num_layers:
+        full, full_scales, done, _ = entry
+        layers = (1 << h.layer_end) - (1 << h.layer_start)
+        if done & layers:  # a repeat would stand in for a layer that never came
+            raise KVFormatError(f"layers {h.layer_start}..{h.layer_end - 1} arrived twice")
+        done |= layers
+        if done == (1 << self.num_layers) - 1:
             self._partial.pop(rid, None)
             self._kv_done[rid] = (full, full_scales, h.hidden_size, h.num_tokens,
                                   time.monotonic())
             self._put_ready(rid)
         else:
-            self._partial[rid] = (full, full_scales, num_done, time.monotonic())
+            self._partial[rid] = (full, full_scales, done, time.monotonic())
+
+    def num_layers_received(self, request_id: str) -> int:
+        """Layers of ``request_id`` received and held while its others are awaited."""
+        entry = self._partial.get(request_id)
+        return 0 if entry is None else bin(entry[2]).count("1")
 
     def discard(self, request_id: str) -> None:
         """Drop the layers (and hidden section) received so far for ``request_id`` (any

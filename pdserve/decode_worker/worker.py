@@ -94,7 +94,9 @@ class DecodeWorker(EngineWorker):
                                  keep_fp8=(engine.runner.kv_scales is not None
                                            or engine.runner.kv_cache.device.type == "cpu"),
                                  cluster_keys=cluster_keys, expects=self._expected_kv,
-                                 writer=self._write_kv_layers)
+                                 writer=self._write_kv_layers,
+                                 block_shape=(engine.config.block_size, engine.arch.num_kv_heads,
+                                              engine.arch.head_dim))
         fused = engine.runner.fused_decode  # no request pays for a GEMM's compile
         if fused is not None:  # nor for a weight's reorder (it would skew the prefill rate)
             fused.pack_weights()
@@ -130,6 +132,9 @@ class DecodeWorker(EngineWorker):
             super().handle(msg)
 
     def _add(self, msg: GenerateRequest) -> None:
+        if msg.request_id in self.engine.requests:  # the router took this worker for dead
+            self._fire(msg.request_id, KVEvent.ABORT)  # (a stall) and retries here: the
+            self.engine.abort_request(msg.request_id)  # copy it gave up on goes
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                                     msg.arrival_time, output_token_ids=msg.output_token_ids)

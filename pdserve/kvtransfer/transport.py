@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
@@ -44,6 +44,9 @@ class KVReceiverConfig:
     max_message_bytes: int  # payload + scale bytes of the largest message accepted
     num_buffers: int = 2  # staging buffers (messages held at once before release())
     address: str | None = None  # where to listen; None: the transport's loopback default
+    #: ``authenticate(header) -> bool``: where the transport itself admits anyone (UCX), a
+    #: header it refuses is dropped before any payload is awaited. None: every header.
+    authenticate: Callable[[KVHeader], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1:

@@ -6,11 +6,9 @@ Connection set-up, once per (sender, receiver) pair::
            <-- [receiver's UCX worker address, sender_id] --
     sender: create_endpoint_from_worker_address(...)   (endpoint error handling off)
 
-Endpoints made from a worker address reach the peer over shared memory (sysv/posix, cma)
-on one host (8-10 GB/s measured earlier on the 2-core dev machines) where the listener
-path always ended on TCP (~1.5 GB/s); UCX offers shared memory only with endpoint error
-handling off. UCX picks cma (process_vm_readv) for the large parts: one copy, straight
-from the sender's buffer into the receiver's staging buffer.
+Endpoints made from a worker address reach the peer over shared memory on one host (8-10
+GB/s; the listener path ended on TCP, ~1.5 GB/s), offered only with endpoint error handling
+off; cma (process_vm_readv) moves the large parts in one copy into the staging buffer.
 
 Each message is three tagged sends; the receiver matches headers from every sender on one
 tag, then posts the payload receives straight into a free staging buffer, in the
@@ -21,18 +19,16 @@ scatters the previous one::
     tag payload_tag              payload bytes    payload_tag = sender_id << 32 | 2*seq
     tag payload_tag + 1          scale bytes      (not sent when scale_bytes == 0)
 
-NOTE (threads). ucxx is asyncio-based. Each transport runs one event loop on its own
-thread and the synchronous ``send``/``recv`` hand coroutines to it. UCX progress runs in
-ucxx's "thread" mode with Python futures: a C++ progress thread sleeps in epoll and a
-notifier thread completes the asyncio futures. Measured here (2 cores shared with other
-processes): this moved 47 MB messages at 4.4-6.2 GB/s vs 1.7-2.1 GB/s for "blocking" mode,
-and idles at ~0 % CPU with a receive posted, where "blocking" (and "thread" without Python
-futures) awaits requests by yielding in a loop and burned ~70 % of a core, starving the
-FP8 (de)quantization on the same machine of CPU and of the GIL. Blocking mode is faster
-only in latency: in a quieter first run it took ~0.2 ms per 8 KiB message vs ~1 ms.
-The notifier thread is created on the (daemon) loop thread, so it is a daemon too and a
-process that forgets close() still exits.
-"""
+NOTE (threads). ucxx is asyncio-based: each transport runs one event loop on its own thread
+and the synchronous ``send``/``recv`` hand coroutines to it. UCX progress runs in "thread"
+mode with Python futures (a C++ progress thread sleeps in epoll, a notifier thread completes
+the futures): 47 MB messages at 4.4-6.2 GB/s vs 1.7-2.1 for "blocking" mode, ~0 % CPU idle
+where "blocking" yields in a loop and burned ~70 % of a core (blocking wins only in latency:
+~0.2 vs ~1 ms per 8 KiB message). The notifier thread is a daemon: a process that forgets
+close() still exits.
+
+NOTE (trust). UCX admits any peer: a header is authenticated before its payload is awaited,
+and no frame ends the receive or bootstrap task."""
 
 from __future__ import annotations
 
@@ -51,6 +47,8 @@ import zmq
 import zmq.asyncio
 
 from pdserve.kvtransfer.errors import KVFormatError, KVTransferError, KVTransferTimeout
+from pdserve.kvtransfer.ucx_bootstrap import HELLO as _HELLO
+from pdserve.kvtransfer.ucx_bootstrap import bootstrap as _bootstrap
 from pdserve.kvtransfer.transport import (
     KVReceiverConfig, ReceivedKV, StagingBuffers, check_send_buffers, send_within)
 from pdserve.kvtransfer.wire import KVHeader, decode_header, encode_header
@@ -58,10 +56,9 @@ from pdserve.kvtransfer.wire import KVHeader, decode_header, encode_header
 DEFAULT_ADDRESS = "tcp://127.0.0.1:*"  # the zmq bootstrap socket
 HEADER_TAG = 0xFFFF_FFFF_0000_0001  # sender ids stay below 2**31, so no payload tag collides
 MAX_HEADER_FRAME_BYTES = 1 << 16
+MAX_DRAINS = 4  # refused messages whose parts are taken off UCX's queues at once
 _FRAME_PREFIX = struct.Struct("<QI")  # payload_tag, header_len
-_HELLO = b"pdserve-kv-ucx-1"
-# UCX context options: silence the warning about UCX_MEMTYPE_CACHE that ucxx itself sets.
-DEFAULT_UCX_OPTIONS: Mapping[str, str] = MappingProxyType({"WARN_UNUSED_ENV_VARS": "n"})
+DEFAULT_UCX_OPTIONS = MappingProxyType({"WARN_UNUSED_ENV_VARS": "n"})  # quiet on ucxx own vars
 
 
 def ucx_unavailable_reason() -> str | None:
@@ -162,6 +159,7 @@ class UcxTransport:
 
 class UcxSender:
     """One UCX endpoint to one receiver; each message is three tagged sends (module doc)."""
+
     def __init__(self, transport: UcxTransport, address: str, timeout_s: float) -> None:
         self._transport = transport
         self._address = address
@@ -260,6 +258,8 @@ class UcxReceiver:
         self._lock = threading.Lock()
         self._free_slots: asyncio.Semaphore | None = None  # loop thread only
         self._tasks: list[asyncio.Task] = []
+        self._authenticate = config.authenticate
+        self._draining: set[asyncio.Task] = set()  # refused messages' parts (loop thread)
         # The bootstrap socket lives on the loop thread only, from bind to close, so that
         # asyncio never watches a closed (and possibly reused) file descriptor.
         self._address = transport.run(self._start(config.address or DEFAULT_ADDRESS),
@@ -314,7 +314,7 @@ class UcxReceiver:
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def _stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        tasks, self._tasks = self._tasks + list(self._draining), []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -324,11 +324,10 @@ class UcxReceiver:
         worker_address = self._transport.ctx.worker_address.tobytes()
         try:
             for sender_id in itertools.count(1):
-                request = await sock.recv()
-                if request != _HELLO:
-                    await sock.send_multipart([b"", b""])
-                    continue
-                await sock.send_multipart([worker_address, sender_id.to_bytes(4, "little")])
+                request = await sock.recv_multipart()  # every frame, so REP can answer
+                reply = ([worker_address, sender_id.to_bytes(4, "little")]
+                         if request == [_HELLO] else [b"", b""])
+                await sock.send_multipart(reply)
         finally:
             sock.close()
 
@@ -337,11 +336,19 @@ class UcxReceiver:
         ctx = self._transport.ctx
         header_buf = np.empty(MAX_HEADER_FRAME_BYTES, dtype=np.uint8)
         while True:
-            await ctx.recv(header_buf, tag=HEADER_TAG)
+            try:  # anyone can send here: no frame may end this task
+                await ctx.recv(header_buf, tag=HEADER_TAG)
+            except Exception as e:  # e.g. a frame over MAX_HEADER_FRAME_BYTES (truncated)
+                self._completed.put(KVFormatError(f"KV header frame: {type(e).__name__}"))
+                continue
             try:
                 payload_tag, header_len = _FRAME_PREFIX.unpack_from(header_buf)
                 header = decode_header(header_buf[_FRAME_PREFIX.size:
                                                   _FRAME_PREFIX.size + header_len])
+                if self._authenticate is not None and not self._authenticate(header):
+                    self._drain_aside(header, payload_tag)  # the pump never waits for it
+                    raise KVFormatError(f"unauthenticated KV header for "
+                                        f"{header.request_id[:64]!r}: dropped unread")
                 if header.num_message_bytes > self._staging.max_message_bytes:
                     await self._discard(header, payload_tag)
                     raise KVFormatError(
@@ -366,32 +373,24 @@ class UcxReceiver:
 
     async def _recv_parts(self, payload: memoryview, scales: memoryview,
                           payload_tag: int) -> None:
-        ctx = self._transport.ctx
-        parts = [ctx.recv(payload, tag=payload_tag)]
+        parts = [self._transport.ctx.recv(payload, tag=payload_tag)]
         if scales.nbytes:
-            parts.append(ctx.recv(scales, tag=payload_tag + 1))
+            parts.append(self._transport.ctx.recv(scales, tag=payload_tag + 1))
         await asyncio.gather(*parts)
+
+    def _drain_aside(self, header: KVHeader, payload_tag: int) -> None:
+        """Take a refused header's parts off UCX's queues in a task of their own (at most
+        MAX_DRAINS at once, none over ``max_message_bytes``): a peer that sends none holds
+        only that task."""
+        if len(self._draining) < MAX_DRAINS and \
+                header.num_message_bytes <= self._staging.max_message_bytes:
+            task = asyncio.get_running_loop().create_task(self._discard(header, payload_tag))
+            self._draining.add(task)
+            task.add_done_callback(lambda t: (self._draining.discard(t),
+                                              t.cancelled() or t.exception()))
 
     async def _discard(self, header: KVHeader, payload_tag: int) -> None:
         """Consume a rejected message's parts so they do not linger in UCX's queues."""
         sink = memoryview(np.empty(header.num_message_bytes, dtype=np.uint8))
         await self._recv_parts(sink[: header.payload_bytes],
                                sink[header.payload_bytes:], payload_tag)
-
-
-def _bootstrap(zmq_ctx: zmq.Context, address: str, timeout_s: float) -> tuple[bytes, int]:
-    """Ask the receiver at ``address`` for its UCX worker address and our sender id."""
-    sock = zmq_ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(address)
-        sock.send(_HELLO)
-        if not sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
-            raise KVTransferTimeout(f"no UCX KV receiver answered at {address} within "
-                                    f"{timeout_s} s")
-        worker_address, sender_id = sock.recv_multipart()
-    finally:
-        sock.close()
-    if not worker_address:
-        raise KVFormatError(f"{address} is not a UCX KV receiver")
-    return worker_address, int.from_bytes(sender_id, "little")

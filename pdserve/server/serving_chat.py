@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import AsyncIterator
 
@@ -73,6 +74,30 @@ def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> the byte it stands for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
+    """The bytes token ``token_id`` (decoded: ``text``) stands for, also when it holds only
+    part of a character (its text then decodes to U+FFFD): byte-level BPE pieces map back
+    through GPT-2's alphabet, SentencePiece byte-fallback pieces (``<0xE2>``) are their
+    byte. OpenAI's ``bytes`` exist so that a client can join such pieces."""
+    if "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return [int(piece[3:5], 16)]
+    alphabet = _byte_level_alphabet()
+    if all(char in alphabet for char in piece):
+        return [alphabet[char] for char in piece]
+    return list(text.encode())
+
+
 def chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> ChatCompletionLogProbs | None:
     """Logprobs of generated tokens in the chat shape: each token's text, logprob, UTF-8
     bytes and top alternatives; ``None`` when there are none."""
@@ -84,9 +109,11 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> ChatCompletionLo
         top = []
         for tid, val in zip(lp.top_token_ids, lp.top_logprobs):
             t = _token_text(tokenizer, tid)
-            top.append(ChatCompletionTopLogprob(token=t, logprob=val, bytes=list(t.encode())))
+            top.append(ChatCompletionTopLogprob(token=t, logprob=val,
+                                                bytes=token_bytes(tokenizer, tid, t)))
         content.append(ChatCompletionLogProb(token=text, logprob=lp.logprob,
-                                             bytes=list(text.encode()), top_logprobs=top))
+                                             bytes=token_bytes(tokenizer, lp.token_id, text),
+                                             top_logprobs=top))
     return ChatCompletionLogProbs(content=content)
 
 
