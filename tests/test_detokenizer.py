@@ -212,6 +212,20 @@ def test_logprob_bytes_of_tokens_that_split_a_character_join_to_the_text(tokeniz
     assert bytes(b for piece in pieces for b in piece) == text.encode()
 
 
+def test_text_offsets_of_tokens_that_split_a_character_index_the_text(tokenizer):
+    """Completions' ``text_offset``: each token's start in the decoded text, a character's
+    pieces all at the character (U+FFFD, one character each, once shifted the rest)."""
+    from pdserve.server.serving_completion import token_offsets
+
+    text = "I love 🇫🇷 and 🐶 too"
+    ids = encode(tokenizer, text)
+    offsets = token_offsets(tokenizer, ids, 0, False)
+    assert tokenizer.decode(ids) == text
+    and_index = [tokenizer.decode([i]) for i in ids].index(" and")
+    assert offsets[and_index] == text.index(" and")
+    assert offsets == sorted(offsets) and offsets[-1] == text.index(" too")
+
+
 # --- StopStringMatcher -----------------------------------------------------------------
 
 

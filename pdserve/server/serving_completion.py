@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.errors import APIError
 from pdserve.server.generation import ChoiceEvent, Generation, merge_streams
 from pdserve.server.protocol import (
@@ -67,16 +68,27 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offset: int =
     """
     if lps is None:
         return None
-    tokens, token_lps, tops, offsets = [], [], [], []
+    tokens, token_lps, tops = [], [], []
     for lp in lps:
-        text = tokenizer.decode([lp.token_id])
-        tokens.append(text)
+        tokens.append(tokenizer.decode([lp.token_id]))
         token_lps.append(lp.logprob)
         tops.append({tokenizer.decode([t]): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
-        offsets.append(offset)
-        offset += len(text)
+    offsets = token_offsets(tokenizer, [lp.token_id for lp in lps], offset, True)
     return CompletionLogProbs(text_offset=offsets, token_logprobs=token_lps, tokens=tokens,
                               top_logprobs=tops)
+
+
+def token_offsets(tokenizer, token_ids: list[int], start: int,
+                  skip_special_tokens: bool) -> list[int]:
+    """Where each token's text starts in the text ``token_ids`` decode to, counted from
+    ``start``: a token holding only part of a character starts where that character does
+    (its own decode, U+FFFD, is not the text's)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special_tokens)
+    offsets, position = [], start
+    for token_id in token_ids:
+        offsets.append(position)
+        position += len(detokenizer.add_tokens([token_id]))
+    return offsets
 
 
 def echo_logprobs(tokenizer, prompt_ids: list[int], lps: list[TokenLogprob] | None,
@@ -91,10 +103,7 @@ def echo_logprobs(tokenizer, prompt_ids: list[int], lps: list[TokenLogprob] | No
         raise RuntimeError(f"worker returned {len(lps)} prompt logprobs for "
                            f"{len(prompt_ids)} prompt tokens")
     tokens = [tokenizer.decode([t]) for t in prompt_ids]
-    offsets, offset = [], 0
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
+    offsets = token_offsets(tokenizer, prompt_ids, 0, False)  # echo: decode(prompt_ids)
     return CompletionLogProbs(
         text_offset=offsets, tokens=tokens,
         token_logprobs=[None] + [lp.logprob for lp in lps],
