@@ -213,8 +213,12 @@ def _unwrap_all_of(node: dict, path: str) -> dict:
         return node
     parts = node["allOf"]
     rest = {k: v for k, v in node.items() if k != "allOf"}
-    if len(parts) != 1 or not isinstance(parts[0], dict) or any(
-            k not in ANNOTATION_KEYWORDS and k not in ("$defs", "definitions") for k in rest):
+    if len(parts) != 1 or not isinstance(parts[0], dict):
         raise UnsupportedSchemaError(
             "allOf", path, "only a one-element allOf (a $ref with annotations) is supported")
+    others = [k for k in rest if k not in _INERT]
+    if others:
+        raise UnsupportedSchemaError(
+            "allOf", path, f"keywords beside a one-element allOf ({', '.join(others)}) are "
+            "not supported; put them in its element")
     return {**parts[0], **rest}
