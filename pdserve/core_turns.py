@@ -256,9 +256,7 @@ def _try_lock(fd: int) -> bool:
 
 def _is_locked(fd: int) -> bool:
     """Whether another process holds a lock on ``fd`` (tried without blocking)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not _try_lock(fd):
         return True
     fcntl.flock(fd, fcntl.LOCK_UN)
     return False

@@ -42,9 +42,8 @@ def tool_call_constraint(req: ChatCompletionRequest) -> StructuredOutputParams |
     if choice == "named":
         functions = [f for f in functions if f.name == req.tool_choice.function.name]
     one_call = choice == "named" or not req.parallel_tool_calls
-    if choice == "auto" and not (one_call or any(f.strict for f in functions)):
-        return None
-    if choice not in ("required", "named", "auto"):
+    if choice == "none" or (choice == "auto" and not (one_call or any(f.strict
+                                                                     for f in functions))):
         return None
     tags = [{
         "type": "tag",
