@@ -365,8 +365,9 @@ def test_ucx_receiver_outlives_hostile_frames_and_never_waits_on_an_unauthentic_
     bootstrap or the receive task for good) are dropped, and the next message arrives."""
     import zmq
 
-    from pdserve.kvtransfer.ucx_transport import (_FRAME_PREFIX, _HELLO, HEADER_TAG,
-                                                  MAX_HEADER_FRAME_BYTES)
+    from pdserve.kvtransfer.ucx_bootstrap import HELLO as _HELLO
+    from pdserve.kvtransfer.ucx_receiver import (_FRAME_PREFIX, HEADER_TAG,
+                                                 MAX_HEADER_FRAME_BYTES)
 
     transport, attacker = create_transport("ucx"), create_transport("ucx")
     rx = transport.create_receiver(KVReceiverConfig(
@@ -400,4 +401,37 @@ def test_ucx_receiver_outlives_hostile_frames_and_never_waits_on_an_unauthentic_
     finally:
         rx.close()
         attacker.close()
+        transport.close()
+
+
+@pytest.mark.skipif(_UCX_REASON is not None, reason=f"ucx unavailable: {_UCX_REASON}")
+def test_ucx_receiver_gives_up_on_parts_that_never_come():
+    """A sender killed between an authentic header and its payload (here: the header sent
+    alone) held the receive task forever, so no later message from anyone arrived. Now
+    the parts time out, the staging buffer is replaced, and the next message lands."""
+    from pdserve.kvtransfer.ucx_receiver import _FRAME_PREFIX, HEADER_TAG
+
+    transport, dead = create_transport("ucx"), create_transport("ucx")
+    rx = transport.create_receiver(KVReceiverConfig(max_message_bytes=1 << 20,
+                                                    num_buffers=1, parts_timeout_s=1.0))
+    try:
+        sender = dead.create_sender(rx.address, timeout_s=TIMEOUT_S)
+        for i in range(2):  # the only buffer, given up twice
+            orphan = encode_kv(f"orphan{i}", gather_blocks(make_cache(3), (0,), 0, 1),
+                               layer_start=0, num_tokens=16, use_fp8=False)
+            header = encode_header(orphan.header)
+            frame = _FRAME_PREFIX.pack((777 << 32) | 2 * i, len(header)) + header
+            dead.run(sender.endpoint.send(frame, tag=HEADER_TAG, force_tag=True),
+                     timeout_s=TIMEOUT_S, what="header alone")
+            with pytest.raises(KVFormatError, match=f"orphan{i}.*not received within"):
+                rx.recv(timeout_s=TIMEOUT_S)
+        send_specs(sender, [SendSpec("good", 4, (0, 1), 0, NUM_LAYERS, True)])
+        with rx.recv(timeout_s=TIMEOUT_S) as msg:
+            assert msg.header.request_id == "good"
+            got = msg.decode()
+            assert got.header.num_layers == NUM_LAYERS
+        sender.close()
+    finally:
+        rx.close()
+        dead.close()
         transport.close()

@@ -47,8 +47,13 @@ class KVReceiverConfig:
     #: ``authenticate(header) -> bool``: where the transport itself admits anyone (UCX), a
     #: header it refuses is dropped before any payload is awaited. None: every header.
     authenticate: Callable[[KVHeader], bool] | None = None
+    #: seconds a message's parts may take after its header (UCX, where they travel apart:
+    #: a sender that died between the two must not hold a staging buffer for good)
+    parts_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not self.parts_timeout_s > 0:
+            raise ValueError(f"parts_timeout_s: must be > 0, got {self.parts_timeout_s}")
         if self.max_message_bytes < 1:
             raise ValueError(f"max_message_bytes: must be >= 1, got {self.max_message_bytes}")
         if self.num_buffers < 1:
@@ -250,6 +255,14 @@ class StagingBuffers:
         scales_start = -(-header.payload_bytes // _SCALES_ALIGN_BYTES) * _SCALES_ALIGN_BYTES
         return (index, buf[: header.payload_bytes],
                 buf[scales_start: scales_start + header.scale_bytes])
+
+    def replace(self, index: int) -> np.ndarray:
+        """Put a new buffer at held ``index`` and return the old one, which a receive that
+        never finished may still write into: the caller keeps it alive."""
+        old = self._buffers[index]
+        self._buffers[index] = np.empty_like(old)
+        self._buffers[index].fill(0)
+        return old
 
     def release(self, index: int) -> None:
         """Give buffer ``index`` back to the free list (once per acquire)."""
