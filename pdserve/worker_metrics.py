@@ -11,11 +11,14 @@ so a dashboard tells the two apart by the ``role`` label, which only workers set
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
@@ -23,6 +26,8 @@ if TYPE_CHECKING:
 
 #: ``--metrics-host`` values that bind every interface (not an address to connect to).
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+MAX_METRICS_CONNECTIONS = 16  # served at once; more are closed unanswered
+METRICS_IDLE_TIMEOUT_S = 5.0  # a connection silent this long (one read) is closed
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,63 @@ class WorkerCollector:
         yield by_kind
 
 
+class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_IDLE_TIMEOUT_S  # socketserver sets it on each connection
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+
+class BoundedMetricsHTTPServer(ThreadingMixIn, WSGIServer):
+    """prometheus-client's exposition (``make_wsgi_app``) on a thread-per-connection WSGI
+    server that holds at most ``MAX_METRICS_CONNECTIONS`` connections, each closed after
+    ``METRICS_IDLE_TIMEOUT_S`` without data (prometheus-client's own ``start_http_server``
+    kept a thread for every idle connection: ~1,000 threads from one client).
+
+    Args:
+        registry: what ``/metrics`` (any path) exposes.
+        host: address to bind (IPv4 or IPv6).
+        port: TCP port (0: a free one, see ``server_port``).
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                 flags=socket.AI_PASSIVE)[0][0]
+        self._slots = threading.BoundedSemaphore(MAX_METRICS_CONNECTIONS)
+        super().__init__((host, port), _QuietHandler)
+        self.set_app(make_wsgi_app(registry))
+        self.thread = threading.Thread(target=self.serve_forever, name="metrics-http",
+                                       daemon=True)
+        self.thread.start()
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the limit: closed unanswered
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: it will not release the slot
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self.shutdown()
+        self.server_close()
+        self.thread.join(timeout=2.0)
+
+
 class WorkerMetricsServer:
     """``/metrics`` of one worker on ``host:port`` (any path answers with the metrics).
 
@@ -170,7 +232,7 @@ class WorkerMetricsServer:
     def __init__(self, worker, host: str, port: int) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(WorkerCollector(worker))
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._httpd = BoundedMetricsHTTPServer(self.registry, host, port)
         self.port = self._httpd.server_port
         #: the address to give the router: ``host`` as bound, or this machine's name when
         #: bound to every interface (``0.0.0.0``, ``::``)
@@ -181,6 +243,4 @@ class WorkerMetricsServer:
 
     def close(self) -> None:
         """Stop serving and release the port."""
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=2.0)
+        self._httpd.close()

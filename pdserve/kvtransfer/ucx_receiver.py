@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 class UcxReceiver:
     """Receives ahead: a task on the loop thread pulls each message into a free staging
     buffer as soon as its header arrives (while the caller works on the previous one);
-    ``recv`` hands completed messages out in arrival order."""
+    ``recv`` hands messages out as they complete."""
 
     def __init__(self, transport: UcxTransport, config: KVReceiverConfig) -> None:
         self._transport = transport
