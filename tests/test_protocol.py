@@ -238,6 +238,20 @@ def test_content_parts_are_joined_with_newlines():
     ]
 
 
+def test_a_call_id_is_answered_once_per_call():
+    """Two results for one call are refused (as OpenAI does); an id that a later assistant
+    turn calls again (some clients reuse ids) may be answered again."""
+    call = {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    result = {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    user = {"role": "user", "content": "hi"}
+    ChatCompletionRequest.model_validate(chat_body(messages=[user, call, result, call,
+                                                             result]))
+    with pytest.raises(ValidationError, match="duplicate value for tool_call_id 'call_1'"):
+        ChatCompletionRequest.model_validate(chat_body(messages=[user, call, result,
+                                                                 result]))
+
+
 @pytest.mark.parametrize("stop,expected", [
     (None, []), ("\n", ["\n"]), (["a", "bc"], ["a", "bc"]), ([], []),
     ([f"s{i}" for i in range(16)], [f"s{i}" for i in range(16)]),

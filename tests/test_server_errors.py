@@ -117,6 +117,14 @@ BAD_REQUESTS = [
          chat(messages=[{"role": "user", "content": "hi"},
                         {"role": "tool", "tool_call_id": "call_x", "content": "20"}]),
          "messages.1.tool_call_id"),
+    case("tool-result-twice-for-one-call",
+         chat(messages=[{"role": "user", "content": "hi"},
+                        {"role": "assistant", "tool_calls": [{
+                            "id": "call_1", "type": "function",
+                            "function": {"name": "f", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "20"},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "21"}]),
+         "messages.3.tool_call_id"),
     # -- context length
     case("max_tokens-over-context", chat(max_tokens=MAX_MODEL_LEN), "max_tokens",
          code="context_length_exceeded"),

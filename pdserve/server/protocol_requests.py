@@ -191,15 +191,27 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_tool_results(self) -> ChatCompletionRequest:
-        """A ``tool`` message answers a call made earlier in the conversation (OpenAI)."""
+        """A ``tool`` message answers a call made earlier in the conversation, once (OpenAI:
+        "Duplicate value for 'tool_call_id'"); an id called again may be answered again."""
         called: set[str] = set()
+        answered: dict[str, int] = {}  # call id -> the message that answered it
         for i, message in enumerate(self.messages):
-            called.update(c.id for c in message.tool_calls or [])
-            if message.role == "tool" and message.tool_call_id not in called:
-                raise param_error(type(self).__name__, f"messages.{i}.tool_call_id",
+            for call in message.tool_calls or []:
+                called.add(call.id)
+                answered.pop(call.id, None)
+            if message.role != "tool":
+                continue
+            call_id, where = message.tool_call_id, f"messages.{i}.tool_call_id"
+            if call_id not in called:
+                raise param_error(type(self).__name__, where,
                                   f"a tool message must answer a tool call of an earlier "
-                                  f"assistant message; {message.tool_call_id!r} is none",
-                                  message.tool_call_id)
+                                  f"assistant message; {call_id!r} is none", call_id)
+            if call_id in answered:
+                raise param_error(type(self).__name__, where,
+                                  f"duplicate value for tool_call_id {call_id!r}: "
+                                  f"messages.{answered[call_id]} answers that call already",
+                                  call_id)
+            answered[call_id] = i
         return self
 
     @property
