@@ -50,7 +50,7 @@ class UcxReceiver:
         self._receiving: set[asyncio.Task] = set()  # accepted messages' parts (loop thread)
         self._parts_timeout_s = config.parts_timeout_s
         # (parts' future, its old staging buffer) given up after parts_timeout_s (loop thread)
-        self._abandoned: list[tuple[asyncio.Future, np.ndarray]] = []
+        self._abandoned: dict[asyncio.Future, np.ndarray] = {}  # freed if the parts come
         # The bootstrap socket lives on the loop thread only, from bind to close, so that
         # asyncio never watches a closed (and possibly reused) file descriptor.
         self._address = transport.run(self._start(config.address or DEFAULT_ADDRESS),
@@ -106,7 +106,7 @@ class UcxReceiver:
 
     async def _stop(self) -> None:
         tasks = self._tasks + list(self._draining) + list(self._receiving)
-        tasks += [parts for parts, _ in self._abandoned]
+        tasks += list(self._abandoned)
         self._tasks = []
         for task in tasks:
             task.cancel()
@@ -170,7 +170,8 @@ class UcxReceiver:
             await asyncio.wait_for(asyncio.shield(parts), self._parts_timeout_s)
         except asyncio.TimeoutError:
             if len(self._abandoned) < MAX_ABANDONED:
-                self._abandoned.append((parts, self._staging.replace(index)))
+                self._abandoned[parts] = self._staging.replace(index)
+                parts.add_done_callback(lambda f: self._abandoned.pop(f, None))
                 error = f"not received within {self._parts_timeout_s} s"
             else:  # keep the buffer held: it frees when (if) the parts come
                 await asyncio.gather(parts, return_exceptions=True)
@@ -194,7 +195,10 @@ class UcxReceiver:
         parts = [self._transport.ctx.recv(payload, tag=payload_tag)]
         if scales.nbytes:
             parts.append(self._transport.ctx.recv(scales, tag=payload_tag + 1))
-        await asyncio.gather(*parts)
+        # both done before the buffer may be reused, even when one of them failed
+        for result in await asyncio.gather(*parts, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
 
     def _drain_aside(self, header: KVHeader, payload_tag: int, any_size: bool = False) -> None:
         """Take a refused header's parts off UCX's queues in a task of their own (at most
