@@ -100,10 +100,14 @@ def wait_exit(pid: int, timeout_s: float) -> bool:
     return True
 
 
-def start_cli(*args: str) -> subprocess.Popen:
-    """``python -m pdserve.cli ARGS`` with unbuffered output."""
+def start_cli(*args: str, log_path: Path | None = None) -> subprocess.Popen:
+    """``python -m pdserve.cli ARGS`` with unbuffered output (into ``log_path`` if given)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
+    if log_path is None:
+        return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
@@ -168,13 +172,14 @@ class ServerProcess:
     """``pdserve serve`` on a free loopback port; ``base_url`` ends in ``/v1``."""
 
     def __init__(self, *extra: str, colocated: bool = True,
-                 startup_timeout_s: float = 240.0) -> None:
+                 startup_timeout_s: float = 240.0, log_path: Path | None = None) -> None:
         self.port = free_port()
+        self.log_path = log_path  # None: the test run's own output
         self.base = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.base}/v1"
         self.proc = start_cli("serve", "--port", str(self.port), "--max-model-len", "2048",
                               "--num-kv-blocks", "512", *(["--colocated"] if colocated else []),
-                              *extra)
+                              *extra, log_path=log_path)
         if wait_health(self.base, 200, self.proc, startup_timeout_s):
             return
         if self.proc.poll() is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -117,6 +118,11 @@ BAD_REQUESTS = [
          chat(messages=[{"role": "user", "content": "hi"},
                         {"role": "tool", "tool_call_id": "call_x", "content": "20"}]),
          "messages.1.tool_call_id"),
+    case("tokenize-tool-result-for-no-call",
+         json.dumps({"model": MODEL, "messages": [
+             {"role": "tool", "tool_call_id": "call_x", "content": "20"}]}),
+         "messages.0.tool_call_id", path="/tokenize"),
+    case("min_tokens-over-context-room", chat(min_tokens=10**9), "min_tokens"),
     case("tool-result-twice-for-one-call",
          chat(messages=[{"role": "user", "content": "hi"},
                         {"role": "assistant", "tool_calls": [{
@@ -193,8 +199,8 @@ def openai_error(resp: httpx.Response) -> dict:
 
 # ---- bad requests against one server ------------------------------------------------------
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess()
+def server(tmp_path_factory):
+    srv = ServerProcess(log_path=tmp_path_factory.mktemp("serve") / "serve.log")
     yield srv
     srv.stop()
 
@@ -225,6 +231,27 @@ def test_method_not_allowed_names_the_allowed_method(http):
     resp = http.get(CHAT)
     assert resp.status_code == 405
     assert resp.headers["allow"] == "POST"
+
+
+def test_a_body_cut_short_by_its_client_is_dropped_quietly(server):
+    """A client gone while it sent its body was an "unhandled error" and an "Exception in
+    ASGI application", ~110 log lines each: a flood for anyone who can connect."""
+    log_before = server.log_path.read_text()
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":")
+            time.sleep(0.05)
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    time.sleep(0.5)
+    new = server.log_path.read_text()[len(log_before):]
+    assert "Traceback" not in new and "unhandled error" not in new, new[-3000:]
+
+
+def test_completions_name_their_default_max_tokens(http):
+    resp = http.post(COMPLETIONS, json={"model": MODEL, "prompt": [42] * (MAX_MODEL_LEN - 8)})
+    assert resp.status_code == 400
+    assert "max_tokens (16, the default)" in openai_error(resp)["message"]
 
 
 def test_good_chat_succeeds_after_bad_requests(server):

@@ -48,11 +48,13 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def check_prompt_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
-                        prompt_param: str) -> None:
+                        prompt_param: str, is_default: bool = False) -> None:
     """Raises APIError 400 when prompt (+ max_tokens) does not fit the context.
 
     ``prompt_param`` names the request field that holds the prompt (``messages`` or
-    ``prompt``), reported as the error's ``param`` when the prompt alone is too long.
+    ``prompt``), reported as the error's ``param`` when the prompt alone is too long;
+    ``is_default``: the client sent no ``max_tokens`` (completions' default, 16), which
+    the message then says.
     """
     limit = state.max_model_len
     if num_prompt_tokens >= limit:
@@ -61,7 +63,8 @@ def check_prompt_length(state: ServerState, num_prompt_tokens: int, max_tokens: 
                        "context_length_exceeded")
     if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt "
-                            f"({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
+                            f"({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}"
+                            f"{', the default' if is_default else ''}) exceeds "
                             "it.", "max_tokens", "context_length_exceeded")
 
 
@@ -71,13 +74,19 @@ def to_params(state: ServerState, req, num_prompt_tokens: int, prompt_param: str
     The context length is checked first: the default ``max_tokens`` is the room the prompt
     leaves, which must be positive before it can become a ``SamplingParams``.
     """
-    check_prompt_length(state, num_prompt_tokens, req.max_tokens_requested, prompt_param)
+    max_tokens = req.max_tokens_requested
+    check_prompt_length(state, num_prompt_tokens, max_tokens, prompt_param, is_default=not (
+        {"max_tokens", "max_completion_tokens"} & req.model_fields_set))
+    room = state.max_model_len - num_prompt_tokens
+    if max_tokens is None and req.min_tokens > room:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds the {room} tokens the "
+                            f"context leaves after the prompt", "min_tokens")
     try:
         constraint = req.structured_output()
     except ValueError as exc:
         raise APIError(400, str(exc), req.structured_output_param) from None
     try:
-        params = req.to_sampling_params(default_max_tokens=state.max_model_len - num_prompt_tokens)
+        params = req.to_sampling_params(default_max_tokens=room)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     if params.n > state.max_n:

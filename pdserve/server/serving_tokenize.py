@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from pdserve.server.errors import APIError
 from pdserve.server.protocol_common import Int
+from pdserve.server.protocol_errors import validation_error_to_body
 from pdserve.server.protocol_requests import ChatCompletionRequestMessage
 from pdserve.server.protocol_structured import ChatCompletionToolParam
-from pdserve.server.serving_common import check_model, parse_request
+from pdserve.server.serving_common import BadRequest, check_model, parse_request
 from pdserve.server.state import ServerState
 
 
@@ -72,8 +73,11 @@ def _chat_ids(state: ServerState, req: TokenizeRequest) -> list[int]:
     chat: dict[str, Any] = {"messages": [m.model_dump(exclude_none=True) for m in req.messages]}
     if req.tools:
         chat["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools]
-    ids = chat_prompt_ids(state, ChatCompletionRequest.model_validate(chat),
-                          add_generation_prompt=req.add_generation_prompt)
+    try:  # the chat endpoint's own checks (a tool message must answer a call, ...)
+        chat_req = ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        raise BadRequest(validation_error_to_body(exc)) from None
+    ids = chat_prompt_ids(state, chat_req, add_generation_prompt=req.add_generation_prompt)
     if req.add_special_tokens and state.tokenizer.bos_token_id is not None \
             and (not ids or ids[0] != state.tokenizer.bos_token_id):
         ids = [state.tokenizer.bos_token_id] + ids
