@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -139,6 +140,10 @@ BAD_REQUESTS = [
     case("chat-prompt-longer-than-context",
          chat(messages=[{"role": "user", "content": LONG_TEXT}]), "messages",
          code="context_length_exceeded"),
+    case("chat-prompt-megabytes", chat(messages=[{"role": "user", "content": "x" * 2_000_000}]),
+         "messages", code="context_length_exceeded"),
+    case("completion-prompt-megabytes", completion(prompt=["Hi", "y" * 2_000_000]), "prompt",
+         code="context_length_exceeded", path=COMPLETIONS),
     case("completion-prompt-longer-than-context", completion(prompt=[42] * (MAX_MODEL_LEN + 1)),
          "prompt", code="context_length_exceeded", path=COMPLETIONS),
     # -- wrong types
@@ -246,6 +251,32 @@ def test_a_body_cut_short_by_its_client_is_dropped_quietly(server):
     time.sleep(0.5)
     new = server.log_path.read_text()[len(log_before):]
     assert "Traceback" not in new and "unhandled error" not in new, new[-3000:]
+
+
+def test_tokenizing_a_huge_prompt_leaves_the_server_answering(server):
+    """/tokenize of a ~4 MB prompt (no context limit there) runs for seconds; it ran on the
+    event loop, so /health (polled meanwhile) and every stream waited for all of it."""
+    done = {}
+
+    def tokenize():
+        start = time.monotonic()
+        resp = httpx.post(f"{server.base}/tokenize", timeout=120,
+                          json={"model": MODEL, "prompt": "hello world " * 350_000})
+        done["tokenize"] = (time.monotonic() - start, resp.status_code, resp.json()["count"])
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    waits = []
+    with httpx.Client(base_url=server.base, timeout=60) as client:
+        while worker.is_alive():
+            start = time.monotonic()
+            assert client.get("/health").status_code == 200
+            waits.append(time.monotonic() - start)
+            time.sleep(0.02)
+    worker.join()
+    took_s, status, count = done["tokenize"]
+    assert status == 200 and count > 600_000
+    assert max(waits) < 0.5 * took_s, (max(waits), took_s)
 
 
 def test_completions_name_their_default_max_tokens(http):

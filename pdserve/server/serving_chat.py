@@ -33,7 +33,9 @@ from pdserve.server.protocol import (
 )
 from pdserve.server.serving_common import (
     check_model,
+    check_prompt_chars,
     check_structured_output,
+    off_loop,
     parse_request,
     sse,
     start_generation,
@@ -172,7 +174,10 @@ async def create_chat_completion(state: ServerState, raw: bytes):
     """
     req = parse_request(ChatCompletionRequest, raw)
     check_model(state, req.model)
-    prompt_ids = chat_prompt_ids(state, req, req.add_generation_prompt)
+    # assistant turns are left out of the bound: a template may drop their reasoning
+    check_prompt_chars(state, sum(len(m.text) for m in req.messages if m.role != "assistant"),
+                       "messages")
+    prompt_ids = await off_loop(chat_prompt_ids, state, req, req.add_generation_prompt)
     params = to_params(state, req, len(prompt_ids), "messages")
     from_response_format = params.structured_output
     params, parser = _tool_params(state, req, params)

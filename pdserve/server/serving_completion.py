@@ -25,7 +25,9 @@ from pdserve.server.protocol import (
 )
 from pdserve.server.serving_common import (
     check_model,
+    check_prompt_chars,
     check_structured_output,
+    off_loop,
     parse_request,
     sse,
     start_generation,
@@ -152,7 +154,10 @@ async def create_completion(state: ServerState, raw: bytes):
     """
     req = parse_request(CompletionRequest, raw)
     check_model(state, req.model)
-    prompts = prompt_id_lists(state, req)
+    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    check_prompt_chars(state, max((len(t) for t in texts if isinstance(t, str)), default=0),
+                       "prompt")
+    prompts = await off_loop(prompt_id_lists, state, req)
     params_list = await _checked_params(state, req, prompts)
     await wait_for_start(state)
     request_id, gens = _start_generations(state, prompts, params_list, req.stop_list,

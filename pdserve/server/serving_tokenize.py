@@ -17,7 +17,7 @@ from pdserve.server.protocol_common import Int
 from pdserve.server.protocol_errors import validation_error_to_body
 from pdserve.server.protocol_requests import ChatCompletionRequestMessage
 from pdserve.server.protocol_structured import ChatCompletionToolParam
-from pdserve.server.serving_common import BadRequest, check_model, parse_request
+from pdserve.server.serving_common import BadRequest, check_model, off_loop, parse_request
 from pdserve.server.state import ServerState
 
 
@@ -90,10 +90,11 @@ async def tokenize(state: ServerState, raw: bytes) -> JSONResponse:
     check_model(state, req.model)
     if req.prompt is not None:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = state.tokenizer.encode(req.prompt, add_special_tokens=add_special)
+        ids = await off_loop(state.tokenizer.encode, req.prompt, add_special_tokens=add_special)
     else:
-        ids = _chat_ids(state, req)
-    strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        ids = await off_loop(_chat_ids, state, req)
+    strs = (await off_loop(state.tokenizer.convert_ids_to_tokens, ids)
+            if req.return_token_strs else None)
     resp = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
                             token_strs=strs)
     return JSONResponse(resp.model_dump(mode="json"))
@@ -111,5 +112,5 @@ async def detokenize(state: ServerState, raw: bytes) -> JSONResponse:
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[0]}", "tokens")
-    return JSONResponse(DetokenizeResponse(
-        prompt=state.tokenizer.decode(req.tokens)).model_dump(mode="json"))
+    text = await off_loop(state.tokenizer.decode, req.tokens)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump(mode="json"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pdserve.router.router import Router
 from pdserve.server.metrics import ServerMetrics
@@ -60,3 +61,13 @@ class ServerState:
         if workers:
             return min(w.info.max_model_len for w in workers)
         return self.default_max_model_len
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """Most characters one token of the vocabulary stands for (its longest piece, in
+        the tokenizer's own spelling: a byte-level piece has a character per byte); times
+        4 when the tokenizer normalizes text (a normalizer may join characters). A text of
+        ``c`` characters is at least ``c / max_token_chars`` tokens."""
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return longest * (1 if backend is not None and backend.normalizer is None else 4)
