@@ -195,6 +195,8 @@ class BoundedMetricsHTTPServer(ThreadingMixIn, WSGIServer):
         self.thread.start()
 
     def process_request(self, request, client_address) -> None:
+        """Serve ``request`` on a thread of its own, or close it at once when
+        ``MAX_METRICS_CONNECTIONS`` are being served (socketserver's hook)."""
         if not self._slots.acquire(blocking=False):
             self.shutdown_request(request)  # over the limit: closed unanswered
             return
@@ -205,6 +207,7 @@ class BoundedMetricsHTTPServer(ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request, client_address) -> None:
+        """Serve ``request`` (on its thread), then give its connection slot back."""
         try:
             super().process_request_thread(request, client_address)
         finally:

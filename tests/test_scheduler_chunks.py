@@ -60,3 +60,30 @@ def test_an_even_chunk_still_fits_the_budget_left_by_others():
     long.num_computed_tokens += 1048
     first.num_computed_tokens = first.num_prompt_tokens
     assert chunks(s, long)[0] == 1952  # the 1,952 left fit one step
+
+
+def test_beside_decodes_a_prefill_goes_in_chunks_of_at_most_long_prefill_chunk():
+    """A decode worker's rule (``long_prefill_chunk``): while requests decode, each prefill
+    chunk is at most the cap (the decodes wait for it), and a short prompt that arrives
+    meanwhile is admitted in the same step with the budget left; with no decode, the
+    prompt takes the whole budget again."""
+    s = scheduler()
+    s.long_prefill_chunk = 256
+    dec, long, short = request("dec", 8), request("long", 1000), request("short", 40)
+    s.add_request(dec)
+    s.schedule()
+    dec.num_computed_tokens = 8
+    dec.append_output_token(1)  # sampled: it decodes from here
+    s.add_request(long)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [
+        ("dec", 1), ("long", 256)]  # 1,000 in four even chunks of 250, rounded up to 32
+    long.num_computed_tokens += 256
+    s.add_request(short)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [
+        ("dec", 1), ("long", 256), ("short", 40)]
+    long.num_computed_tokens += 256
+    s.finish(dec, dec.status)  # no decode left: the rest of the prompt in one step
+    s.finish(short, short.status)
+    assert [x.num_new_tokens for x in s.schedule().scheduled] == [488]

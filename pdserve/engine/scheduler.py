@@ -2,17 +2,17 @@
 
 Each step has a token budget (``max_num_batched_tokens``). Running decodes are scheduled
 first (one token each), then running prefills (a prompt longer than the budget in even
-chunks, as few as hold it), then waiting requests in arrival order while the budget,
-``max_num_seqs`` and free blocks allow. A request gets blocks for all of its current tokens
-when admitted; decodes then grow one slot at a time. When a decode cannot get a block, the
-newest running request is preempted: its blocks are freed and it goes back to the front of
-the waiting queue to be recomputed.
+chunks, as few as hold it; at most ``long_prefill_chunk`` beside decodes), then waiting
+requests in arrival order while the budget, ``max_num_seqs`` and free blocks allow. A
+request gets blocks for all of its current tokens when admitted; decodes then grow one slot
+at a time. When a decode cannot get a block, the newest running request is preempted: its
+blocks are freed and it goes back to the front of the waiting queue to be recomputed.
 
 Speculative decoding: a decode carrying ``k`` draft tokens is scheduled as ``1 + k`` tokens
 (the last sampled token plus the drafts, all verified in one pass). Drafts are dropped (a
 plain decode) when the budget or the free blocks cannot cover them; they never cause
-preemption. (The drafter reserves the slots its own K/V needs when it proposes.)
-In the batch, plain decodes come first, then verifying decodes, then prefills.
+preemption (the drafter reserves the slots its own K/V needs when it proposes). In the
+batch, plain decodes come first, then verifying decodes, then prefills.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_chunk: int | None = None  # a prefill's most tokens beside decodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -129,8 +130,8 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         budget = self._schedule_decodes(out, decoding, self.max_num_batched_tokens)
-        budget = self._schedule_prefill_chunks(out, prefilling, budget)
-        self._admit_waiting(out, budget)
+        cap = min(self.max_num_batched_tokens, decoding and self.long_prefill_chunk or 1 << 62)
+        self._admit_waiting(out, self._schedule_prefill_chunks(out, prefilling, budget, cap), cap)
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, decoding: list[Request],
@@ -168,29 +169,29 @@ class Scheduler:
         out.scheduled.extend(verifying)
         return budget
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens of ``req``'s prefill to run now: all left if they fit one step, else an even
+    def _chunk(self, req: Request, budget: int, cap: int) -> int:
+        """Tokens of ``req``'s prefill to run now: all left if they fit ``cap``, else an even
         share of the fewest steps (rounded up to 32 rows, the GEMM padding), at most ``budget``
         (2-core Xeon, 3,000 tokens: 2,048 + 952 took 700-721 ms, 1,504 + 1,496 660-690)."""
-        left, cap = req.num_tokens - req.num_computed_tokens, self.max_num_batched_tokens
-        steps = max(1, -(-left // cap))
+        left = req.num_tokens - req.num_computed_tokens
+        steps = -(-left // cap)
         return min(left, budget, cap, (-(-left // steps) + 31) // 32 * 32)
 
     def _schedule_prefill_chunks(self, out: SchedulerOutput, prefilling: list[Request],
-                                 budget: int) -> int:
+                                 budget: int, cap: int) -> int:
         """The next chunk of each running prefill; returns the budget left."""
         for req in prefilling:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            num_new = self._chunk(req, budget)
+            num_new = self._chunk(req, budget, cap)
             out.scheduled.append(ScheduledRequest(req, num_new))
             out.num_prefill_tokens += num_new
             budget -= num_new
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, cap: int) -> None:
         """Admit waiting requests in order while budget, ``max_num_seqs`` and blocks allow
         (none in a step that preempted)."""
         bm = self.block_manager
@@ -207,7 +208,7 @@ class Scheduler:
             if req.num_cached_tokens == 0 and req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
             self.running.append(req)
-            num_new = self._chunk(req, budget)
+            num_new = self._chunk(req, budget, cap)
             scheduled = ScheduledRequest(req, num_new)
             if num_new == 1 and out.num_decodes == len(out.scheduled):  # no verifying ones
                 out.num_decodes += 1  # a one-token prefill can ride the decode path
