@@ -255,7 +255,9 @@ def test_a_body_cut_short_by_its_client_is_dropped_quietly(server):
 
 def test_tokenizing_a_huge_prompt_leaves_the_server_answering(server):
     """/tokenize of a ~4 MB prompt (no context limit there) runs for seconds; it ran on the
-    event loop, so /health (polled meanwhile) and every stream waited for all of it."""
+    event loop, so /health (polled meanwhile) and every stream waited for all of it, and
+    then on one thread that a small request's tokenizing (here a small /tokenize) queued
+    behind."""
     done = {}
 
     def tokenize():
@@ -271,6 +273,8 @@ def test_tokenizing_a_huge_prompt_leaves_the_server_answering(server):
         while worker.is_alive():
             start = time.monotonic()
             assert client.get("/health").status_code == 200
+            assert client.post("/tokenize", json={"model": MODEL, "prompt": "Hi"}).json()[
+                "count"] >= 1
             waits.append(time.monotonic() - start)
             time.sleep(0.02)
     worker.join()

@@ -172,12 +172,12 @@ async def create_chat_completion(state: ServerState, raw: bytes):
         APIError: 400 for an invalid request (``param`` names the field), 404 for a model
             this server does not serve, 503 when no worker can take it.
     """
-    req = parse_request(ChatCompletionRequest, raw)
+    req = await off_loop(raw, parse_request, ChatCompletionRequest, raw)
     check_model(state, req.model)
     # assistant turns are left out of the bound: a template may drop their reasoning
     check_prompt_chars(state, sum(len(m.text) for m in req.messages if m.role != "assistant"),
                        "messages")
-    prompt_ids = await off_loop(chat_prompt_ids, state, req, req.add_generation_prompt)
+    prompt_ids = await off_loop(raw, chat_prompt_ids, state, req, req.add_generation_prompt)
     params = to_params(state, req, len(prompt_ids), "messages")
     from_response_format = params.structured_output
     params, parser = _tool_params(state, req, params)

@@ -48,16 +48,22 @@ def check_model(state: ServerState, model: str | None) -> None:
                             f"`{state.model_name}`.", "model", "model_not_found")
 
 
-#: The thread that tokenizes prompts (chat templates included) and detokenizes id lists for
-#: ``/detokenize``, off the event loop: a prompt of 2M characters took 1.6-7 s, during
-#: which ``/health`` and every stream waited. One thread: transformers tokenizers are not
-#: documented as safe to call from two at once (the event loop's incremental detokenizers
-#: only read, as this thread does).
+#: Bodies up to this size are parsed and tokenized on the event loop (~10 ms at most);
+#: larger ones on :data:`_tokenizer_thread`, so that they neither stall the loop (a prompt
+#: of 2M characters held ``/health`` and every stream for 1.6-7 s) nor queue the small
+#: requests behind them (one behind a few large ones: 0.17 -> 7.8 s).
+INLINE_BODY_BYTES = 16 * 1024
+#: One thread: transformers tokenizers are not documented as safe to call from two at once
+#: (the event loop's own tokenizer calls only read, as this thread's do).
 _tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
 
-async def off_loop(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` on the tokenizer thread; its result or exception."""
+async def off_loop(raw: bytes, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` for the request whose body is ``raw``: inline when the body
+    is at most :data:`INLINE_BODY_BYTES`, else on the tokenizer thread; its result or
+    exception either way."""
+    if len(raw) <= INLINE_BODY_BYTES:
+        return fn(*args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(
         _tokenizer_thread, partial(fn, *args, **kwargs))
 

@@ -26,6 +26,7 @@ from pdserve.server.protocol import (
 from pdserve.server.serving_common import (
     check_model,
     check_prompt_chars,
+    check_prompt_length,
     check_structured_output,
     off_loop,
     parse_request,
@@ -52,6 +53,7 @@ def prompt_id_lists(state: ServerState, req: CompletionRequest) -> list[list[int
     for p in prompts:
         if isinstance(p, str):
             out.append(list(state.tokenizer.encode(p)))
+            check_prompt_length(state, len(out[-1]), None, "prompt")  # before the next one
         else:
             if any(t < 0 or t >= vocab for t in p):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -152,12 +154,12 @@ async def create_completion(state: ServerState, raw: bytes):
         APIError: 400 for an invalid request (``param`` names the field), 404 for a model
             this server does not serve, 503 when no worker can take a prompt.
     """
-    req = parse_request(CompletionRequest, raw)
+    req = await off_loop(raw, parse_request, CompletionRequest, raw)
     check_model(state, req.model)
     texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     check_prompt_chars(state, max((len(t) for t in texts if isinstance(t, str)), default=0),
                        "prompt")
-    prompts = await off_loop(prompt_id_lists, state, req)
+    prompts = await off_loop(raw, prompt_id_lists, state, req)
     params_list = await _checked_params(state, req, prompts)
     await wait_for_start(state)
     request_id, gens = _start_generations(state, prompts, params_list, req.stop_list,

@@ -86,14 +86,15 @@ def _chat_ids(state: ServerState, req: TokenizeRequest) -> list[int]:
 
 async def tokenize(state: ServerState, raw: bytes) -> JSONResponse:
     """``/tokenize``: the prompt's token ids (and their strings when asked)."""
-    req = parse_request(TokenizeRequest, raw)
+    req = await off_loop(raw, parse_request, TokenizeRequest, raw)
     check_model(state, req.model)
     if req.prompt is not None:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = await off_loop(state.tokenizer.encode, req.prompt, add_special_tokens=add_special)
+        ids = await off_loop(raw, state.tokenizer.encode, req.prompt,
+                             add_special_tokens=add_special)
     else:
-        ids = await off_loop(_chat_ids, state, req)
-    strs = (await off_loop(state.tokenizer.convert_ids_to_tokens, ids)
+        ids = await off_loop(raw, _chat_ids, state, req)
+    strs = (await off_loop(raw, state.tokenizer.convert_ids_to_tokens, ids)
             if req.return_token_strs else None)
     resp = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
                             token_strs=strs)
@@ -106,11 +107,11 @@ async def detokenize(state: ServerState, raw: bytes) -> JSONResponse:
     Raises:
         APIError: 400 for an id outside the vocabulary.
     """
-    req = parse_request(DetokenizeRequest, raw)
+    req = await off_loop(raw, parse_request, DetokenizeRequest, raw)
     check_model(state, req.model)
     vocab = len(state.tokenizer)
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[0]}", "tokens")
-    text = await off_loop(state.tokenizer.decode, req.tokens)
+    text = await off_loop(raw, state.tokenizer.decode, req.tokens)
     return JSONResponse(DetokenizeResponse(prompt=text).model_dump(mode="json"))
