@@ -123,6 +123,8 @@ BAD_REQUESTS = [
          json.dumps({"model": MODEL, "messages": [
              {"role": "tool", "tool_call_id": "call_x", "content": "20"}]}),
          "messages.0.tool_call_id", path="/tokenize"),
+    case("detokenize-too-many-ids", json.dumps({"model": MODEL, "tokens": [1] * ((1 << 17) + 1)}),
+         "tokens", path="/detokenize"),
     case("min_tokens-over-context-room", chat(min_tokens=10**9), "min_tokens"),
     case("tool-result-twice-for-one-call",
          chat(messages=[{"role": "user", "content": "hi"},

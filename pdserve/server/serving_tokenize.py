@@ -51,13 +51,18 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
+#: Most ids one ``/detokenize`` takes: the tokenizer holds the GIL while it decodes, so 2M
+#: ids held ``/health`` and every stream for ~1 s even off the event loop.
+MAX_DETOKENIZE_IDS = 1 << 17
+
+
 class DetokenizeRequest(BaseModel):
     """Body of ``/detokenize``."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[Int]
+    tokens: list[Int] = Field(max_length=MAX_DETOKENIZE_IDS)
 
 
 class DetokenizeResponse(BaseModel):
