@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 #: step budget), so that the decodes still get a token every ~0.1-2 s. 2-core AVX2 EPYC: in
 #: 2,048-token chunks a 7,000-token ``echo`` + ``logprobs`` prompt (which prefills here
 #: whatever its length) stopped every other stream for 5-10 s a step (now at most 1.6 s, and
-#: a short chat sent meanwhile 29-32 -> 7.4 s); colocated, a 3,000-token prompt beside four
+#: a short chat sent meanwhile 29-32 -> 7.4-10 s); colocated, a 3,000-token prompt beside four
 #: streams: its TTFT 7.3 -> 8.3 s, a 200-token one's 6.8 -> 0.8-1.3 s, longest gap 4.4 -> 0.9 s.
 LONG_PREFILL_CHUNK_TOKENS = 256
 
