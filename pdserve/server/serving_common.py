@@ -79,16 +79,16 @@ def check_prompt_chars(state: ServerState, num_chars: int, prompt_param: str) ->
                             f"{least} tokens.", prompt_param, "context_length_exceeded")
 
 
-def check_prompt_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
+def check_prompt_length(limit: int, num_prompt_tokens: int, max_tokens: int | None,
                         prompt_param: str, is_default: bool = False) -> None:
-    """Raises APIError 400 when prompt (+ max_tokens) does not fit the context.
+    """Raises APIError 400 when prompt (+ max_tokens) does not fit the context of ``limit``
+    tokens (the server's ``max_model_len``, read on the event loop).
 
     ``prompt_param`` names the request field that holds the prompt (``messages`` or
     ``prompt``), reported as the error's ``param`` when the prompt alone is too long;
     ``is_default``: the client sent no ``max_tokens`` (completions' default, 16), which
     the message then says.
     """
-    limit = state.max_model_len
     if num_prompt_tokens >= limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens, but the "
                             f"prompt has {num_prompt_tokens} tokens.", prompt_param,
@@ -106,10 +106,10 @@ def to_params(state: ServerState, req, num_prompt_tokens: int, prompt_param: str
     The context length is checked first: the default ``max_tokens`` is the room the prompt
     leaves, which must be positive before it can become a ``SamplingParams``.
     """
-    max_tokens = req.max_tokens_requested
-    check_prompt_length(state, num_prompt_tokens, max_tokens, prompt_param, is_default=not (
-        {"max_tokens", "max_completion_tokens"} & req.model_fields_set))
-    room = state.max_model_len - num_prompt_tokens
+    max_tokens, limit = req.max_tokens_requested, state.max_model_len
+    is_default = not {"max_tokens", "max_completion_tokens"} & req.model_fields_set
+    check_prompt_length(limit, num_prompt_tokens, max_tokens, prompt_param, is_default)
+    room = limit - num_prompt_tokens
     if max_tokens is None and req.min_tokens > room:
         raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds the {room} tokens the "
                             f"context leaves after the prompt", "min_tokens")

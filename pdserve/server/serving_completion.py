@@ -39,8 +39,10 @@ from pdserve.server.serving_common import (
 from pdserve.server.state import ServerState
 
 
-def prompt_id_lists(state: ServerState, req: CompletionRequest) -> list[list[int]]:
-    """Token ids of each prompt (strings are tokenized; id lists are range-checked)."""
+def prompt_id_lists(state: ServerState, req: CompletionRequest,
+                    max_model_len: int) -> list[list[int]]:
+    """Token ids of each prompt (strings are tokenized, each refused as soon as it is
+    ``max_model_len`` tokens or more; id lists are range-checked)."""
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts: list = [prompt]
@@ -53,7 +55,7 @@ def prompt_id_lists(state: ServerState, req: CompletionRequest) -> list[list[int
     for p in prompts:
         if isinstance(p, str):
             out.append(list(state.tokenizer.encode(p)))
-            check_prompt_length(state, len(out[-1]), None, "prompt")  # before the next one
+            check_prompt_length(max_model_len, len(out[-1]), None, "prompt")
         else:
             if any(t < 0 or t >= vocab for t in p):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -159,7 +161,7 @@ async def create_completion(state: ServerState, raw: bytes):
     texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     check_prompt_chars(state, max((len(t) for t in texts if isinstance(t, str)), default=0),
                        "prompt")
-    prompts = await off_loop(raw, prompt_id_lists, state, req)
+    prompts = await off_loop(raw, prompt_id_lists, state, req, state.max_model_len)
     params_list = await _checked_params(state, req, prompts)
     await wait_for_start(state)
     request_id, gens = _start_generations(state, prompts, params_list, req.stop_list,
